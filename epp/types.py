@@ -1,0 +1,151 @@
+"""Plain data shared by the gateway, the scheduler, the KV index and the benchmarks.
+
+Everything here is a small typed record with no I/O, so the decision logic can be
+driven by the live gateway and by the replay simulator in virtual time alike.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+Medium = Literal["GPU", "CPU"]
+
+
+class Api(StrEnum):
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+    EMBEDDINGS = "embeddings"
+    RESPONSES = "responses"
+    OTHER = "other"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One model server (a vLLM pod) as discovery describes it."""
+
+    address: str  # "ip:port", where Envoy sends the request
+    metrics_url: str = ""  # default http://<address>/metrics
+    kv_events: str | None = None  # the pod's ZMQ PUB endpoint, e.g. tcp://10.0.0.5:5557
+    kv_replay: str | None = None  # the pod's ZMQ ROUTER replay endpoint
+    labels: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.metrics_url:
+            object.__setattr__(self, "metrics_url", f"http://{self.address}/metrics")
+
+    def label(self, key: str, default: str | None = None) -> str | None:
+        for k, v in self.labels:
+            if k == key:
+                return v
+        return default
+
+
+@dataclass(slots=True)
+class PodMetrics:
+    """What the pod's /metrics page said at its last successful scrape."""
+
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0  # fraction 0..1 of KV blocks in use
+    running_adapters: frozenset[str] = frozenset()
+    waiting_adapters: frozenset[str] = frozenset()
+    max_loras: int = 0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
+    scraped_at: float = 0.0  # monotonic seconds; 0 = never
+    consecutive_failures: int = 0
+
+
+@dataclass(slots=True)
+class Inflight:
+    """What this gateway has itself sent to a pod and not yet seen finish."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    adapters: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(slots=True)
+class PodState:
+    """Everything the scheduler knows about one candidate pod."""
+
+    endpoint: Endpoint
+    metrics: PodMetrics = field(default_factory=PodMetrics)
+    inflight: Inflight = field(default_factory=Inflight)
+    ready: bool = True  # false while the pod's metrics scrape keeps failing
+    ttft_ewma_s: float | None = None  # observed time to first token
+    prefill_tok_per_s: float | None = None  # learned online from observed TTFTs
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+
+@dataclass(slots=True)
+class LLMRequest:
+    """An OpenAI request as the scheduler sees it (parsed once, by epp.request_parser)."""
+
+    request_id: str
+    path: str
+    api: Api
+    model: str  # the `model` field as the client sent it
+    stream: bool = False
+    adapter: str | None = None  # LoRA adapter name when `model` names one
+    prompt: str | None = None  # completions/embeddings/responses text prompt
+    prompt_token_ids: list[int] | None = None  # when the client sent token ids
+    messages: list[dict] | None = None  # chat messages, as sent
+    cache_salt: str | None = None
+    max_tokens: int | None = None
+    session_id: str | None = None  # from the x-session-id header, for session affinity
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+    def text_for_hashing(self) -> str:
+        """A stable text rendering of the prompt, for character-based approximations."""
+        if self.prompt is not None:
+            return self.prompt
+        if self.messages is not None:
+            parts: list[str] = []
+            for m in self.messages:
+                content = m.get("content")
+                if isinstance(content, list):
+                    content = "".join(
+                        str(p.get("text", "")) for p in content if isinstance(p, dict)
+                    )
+                parts.append(f"<{m.get('role', '')}>{content or ''}")
+            return "".join(parts)
+        if self.prompt_token_ids is not None:
+            return " ".join(map(str, self.prompt_token_ids))
+        return ""
+
+    def estimated_prompt_tokens(self) -> int:
+        if self.prompt_token_ids is not None:
+            return len(self.prompt_token_ids)
+        # ~4 characters per token is the usual rule of thumb for English BPE vocabularies.
+        return max(1, len(self.text_for_hashing()) // 4)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """The `usage` object of an OpenAI response."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class Decision:
+    """The scheduler's answer: endpoints in preference order (first = primary)."""
+
+    endpoints: list[PodState]
+    profile: str = "default"
+    # Per-candidate score components, for the debug explain line.
+    explain: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Prompt token ids computed while scheduling, reused for speculative index entries.
+    prompt_token_ids: list[int] | None = None

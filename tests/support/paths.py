@@ -1,0 +1,9 @@
+"""Where the test data lives."""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# Real vLLM 0.32 captures (KV events, metrics, requests) and the tiny model they used.
+VLLM_FIXTURES = REPO / "tests" / "fixtures" / "vllm"
+TINY_MODEL = VLLM_FIXTURES / "model" / "tiny-model"
+MOONCAKE_TRACE = REPO / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl"
