@@ -15,6 +15,7 @@ class PrefixHit:
 
     blocks: int
     medium: Medium = "GPU"  # the slowest tier seen along the matched run
+    tokens: int = 0  # blocks x the pod's block size, when the caller knows the block size
 
 
 class BlockIndex(Protocol):

@@ -1,0 +1,461 @@
+"""ext_proc overhead: the latency epp adds to a request, measured through one real Envoy.
+
+One Envoy, one echo backend, one `epp serve`, all real processes. The same listener has a
+route that skips ext_proc (header `x-epp-bypass`) and the normal route through epp, and
+the two are measured alternately in the same run, so the difference is what epp costs:
+sequentially (one connection) and at 32 concurrent connections, for each body mode.
+
+Also reported: decisions per second of epp CPU (its process's CPU time over the requests
+it decided: what one core sustains), and a breakdown of where epp's time per request goes
+(protobuf, parsing, scheduling, response building, measured in-process) against the
+total per-request CPU of the epp process, the rest being gRPC and the event loop.
+
+    .venv/bin/python -m smart_epp.benchmarks.extproc_overhead [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "extproc_overhead.json"
+BACKEND_SCRIPT = REPO / "tests" / "support" / "backends.py"
+GOALS = {"added_median_ms": 1.0, "added_p99_ms": 3.0, "decisions_per_s": 1500}
+
+PROMPT = "Explain the trade-offs of prefix caching in LLM serving. " * 8
+BODY = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 16}).encode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextmanager
+def process(command: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ------------------------------------------------------------------ a light HTTP/1.1 client
+
+
+class Connection:
+    """One keep-alive HTTP/1.1 connection, lighter than a full client library so the
+    load generator itself stays cheap next to what it measures."""
+
+    def __init__(self, port: int, bypass: bool) -> None:
+        self.port = port
+        extra = b"x-epp-bypass: 1\r\n" if bypass else b""
+        self.request = (
+            b"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+            + extra
+            + f"content-length: {len(BODY)}\r\n\r\n".encode()
+            + BODY
+        )
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+
+    async def call(self) -> float:
+        assert self.reader is not None and self.writer is not None
+        started = time.perf_counter()
+        self.writer.write(self.request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = head[9:12]
+        lower = head.lower()
+        if b"transfer-encoding: chunked" in lower:
+            while True:
+                size = int((await self.reader.readline()).strip(), 16)
+                await self.reader.readexactly(size + 2)
+                if size == 0:
+                    break
+        else:
+            start = lower.index(b"content-length:") + 15
+            length = int(lower[start : lower.index(b"\r\n", start)])
+            await self.reader.readexactly(length)
+        elapsed = time.perf_counter() - started
+        if status != b"200":
+            raise RuntimeError(f"unexpected status {status!r}: {head!r}")
+        return elapsed
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def run_sequential(port: int, pairs: int) -> tuple[list[float], list[float]]:
+    direct, epp = Connection(port, bypass=True), Connection(port, bypass=False)
+    await direct.open()
+    await epp.open()
+    direct_times, epp_times = [], []
+    for _ in range(pairs):  # alternate, so drift in the machine's load hits both alike
+        direct_times.append(await direct.call())
+        epp_times.append(await epp.call())
+    await direct.close()
+    await epp.close()
+    return direct_times, epp_times
+
+
+async def run_concurrent(port: int, bypass: bool, total: int, concurrency: int) -> tuple[list[float], float]:
+    connections = [Connection(port, bypass) for _ in range(concurrency)]
+    await asyncio.gather(*(c.open() for c in connections))
+    remaining = total
+    times: list[float] = []
+
+    async def worker(connection: Connection) -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            times.append(await connection.call())
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in connections))
+    wall = time.perf_counter() - started
+    await asyncio.gather(*(c.close() for c in connections))
+    return times, wall
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summary(times: list[float]) -> dict[str, float]:
+    return {
+        "count": len(times),
+        "median_ms": round(statistics.median(times) * 1000, 3),
+        "p99_ms": round(percentile(times, 0.99) * 1000, 3),
+        "mean_ms": round(statistics.fmean(times) * 1000, 3),
+    }
+
+
+def compare(direct: list[float], epp: list[float]) -> dict[str, object]:
+    d, e = summary(direct), summary(epp)
+    return {
+        "direct": d,
+        "through_epp": e,
+        "added_median_ms": round(e["median_ms"] - d["median_ms"], 3),
+        "added_p99_ms": round(e["p99_ms"] - d["p99_ms"], 3),
+        "median_ratio": round(e["median_ms"] / d["median_ms"], 3),
+    }
+
+
+# ------------------------------------------------------------------ in-process breakdown
+
+
+def breakdown(iterations: int) -> dict[str, float]:
+    """Microseconds per request for each piece of epp's own work, without gRPC."""
+    from envoy.config.core.v3 import base_pb2 as core
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    from smart_epp.epp.datastore import Datastore
+    from smart_epp.epp.request_parser import parse_request
+    from smart_epp.epp.round_robin import RoundRobinScheduler
+    from smart_epp.epp.server import EppServer, Exchange
+    from smart_epp.epp.types import Endpoint
+    from smart_epp.proto import extproc as px
+
+    headers = {
+        ":method": "POST", ":path": "/v1/completions", ":authority": "bench",
+        ":scheme": "http", "content-type": "application/json", "user-agent": "bench",
+        "x-forwarded-proto": "http", "x-request-id": "0b4c1c52-9a55-4b1e-8d1a-7a8f3f0a3a11",
+        "content-length": str(len(BODY)),
+    }  # fmt: skip
+    header_bytes = ep.ProcessingRequest(
+        request_headers=ep.HttpHeaders(
+            headers=core.HeaderMap(
+                headers=[core.HeaderValue(key=k, raw_value=v.encode()) for k, v in headers.items()]
+            )
+        ),
+        protocol_config=ep.ProtocolConfiguration(request_body_mode=4, response_body_mode=1),
+    ).SerializeToString()
+    body_bytes = ep.ProcessingRequest(
+        request_body=ep.HttpBody(body=BODY, end_of_stream=True)
+    ).SerializeToString()
+    response_head = ep.ProcessingRequest(
+        response_headers=ep.HttpHeaders(
+            headers=core.HeaderMap(
+                headers=[
+                    core.HeaderValue(key=":status", raw_value=b"200"),
+                    core.HeaderValue(key="content-type", raw_value=b"application/json"),
+                ]
+            )
+        )
+    ).SerializeToString()
+    answer = json.dumps({"id": "x", "usage": {"prompt_tokens": 100, "completion_tokens": 16}})
+    response_body = ep.ProcessingRequest(
+        response_body=ep.HttpBody(body=answer.encode(), end_of_stream=True)
+    ).SerializeToString()
+    wire = [header_bytes, body_bytes, response_head, response_body]
+
+    def per_call_us(fn: Callable[[], object]) -> float:
+        for _ in range(200):
+            fn()
+        started = time.perf_counter()
+        for _ in range(iterations):
+            fn()
+        return round((time.perf_counter() - started) / iterations * 1e6, 2)
+
+    message = ep.ProcessingRequest.FromString(header_bytes)
+    datastore = Datastore()
+    datastore.set_endpoints([Endpoint("10.0.0.1:8000"), Endpoint("10.0.0.2:8000")])
+    scheduler = RoundRobinScheduler()
+    server = EppServer(scheduler, datastore)
+    candidates = datastore.ready_pods()
+
+    def schedule() -> None:
+        coroutine = scheduler.schedule(request, candidates)
+        try:
+            coroutine.send(None)
+        except StopIteration:
+            pass
+
+    request = parse_request("/v1/completions", px.headers_of(message.request_headers), BODY, "r")
+
+    async def exchanges(n: int) -> float:
+        started = time.perf_counter()
+        for _ in range(n):
+            exchange = Exchange(server)
+            for raw in wire:
+                replies = await exchange.handle(ep.ProcessingRequest.FromString(raw))
+                for reply in replies:
+                    if type(reply) is not bytes:
+                        reply.SerializeToString()
+                exchange.after_replies()
+            exchange.close()
+        return (time.perf_counter() - started) / n * 1e6
+
+    asyncio.run(exchanges(200))
+    whole = asyncio.run(exchanges(iterations))
+    return {
+        "deserialize_4_messages_us": per_call_us(
+            lambda: [ep.ProcessingRequest.FromString(w) for w in wire]
+        ),
+        "read_headers_us": per_call_us(lambda: px.headers_of(message.request_headers)),
+        "parse_openai_body_us": per_call_us(
+            lambda: parse_request("/v1/completions", headers, BODY, "r")
+        ),
+        "schedule_round_robin_us": per_call_us(schedule),
+        "build_decision_replies_us": per_call_us(
+            lambda: (
+                px.route_in_headers_phase("10.0.0.1:8000"),
+                px.streamed_request_body(BODY)[0].SerializeToString(),
+            )
+        ),
+        "whole_exchange_without_grpc_us": round(whole, 2),
+    }
+
+
+# ------------------------------------------------------------------ the run
+
+
+def measure_mode(
+    body_mode: str, epp_port: int, epp_pid: int, backend: str, args: argparse.Namespace, workdir: Path
+) -> dict[str, object]:
+    sys.path.insert(0, str(REPO / "tests"))
+    from smart_epp.epp.envoy_cmd import EnvoyOptions, envoy_command, render_envoy_config
+
+    listen, admin = free_port(), free_port()
+    options = EnvoyOptions(
+        listen_port=listen,
+        admin_port=admin,
+        epp_port=epp_port,
+        body_mode=body_mode,  # type: ignore[arg-type]
+        listen_address="127.0.0.1",
+        bypass_backend=backend,
+    )
+    config = workdir / f"envoy-{body_mode}.yaml"
+    config.write_text(render_envoy_config(options))
+    command = envoy_command(config, concurrency=args.envoy_concurrency)
+    with process(command, workdir / f"envoy-{body_mode}.log") as envoy:
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=1) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        wait_for(ready, 20, "Envoy ready")
+
+        async def run() -> dict[str, object]:
+            # Warm both routes (connections, caches) before measuring.
+            await run_concurrent(listen, True, args.warmup, 8)
+            await run_concurrent(listen, False, args.warmup, 8)
+            direct_seq, epp_seq = await run_sequential(listen, args.sequential)
+            direct_conc: list[float] = []
+            epp_conc: list[float] = []
+            direct_wall = epp_wall = epp_cpu = envoy_cpu_epp = envoy_cpu_direct = 0.0
+            for _ in range(args.rounds):  # alternate phases, pooled
+                before = cpu_seconds(envoy.pid)
+                times, wall = await run_concurrent(
+                    listen, True, args.concurrent, args.concurrency
+                )
+                envoy_cpu_direct += cpu_seconds(envoy.pid) - before
+                direct_conc += times
+                direct_wall += wall
+                before_epp, before_envoy = cpu_seconds(epp_pid), cpu_seconds(envoy.pid)
+                times, wall = await run_concurrent(
+                    listen, False, args.concurrent, args.concurrency
+                )
+                epp_cpu += cpu_seconds(epp_pid) - before_epp
+                envoy_cpu_epp += cpu_seconds(envoy.pid) - before_envoy
+                epp_conc += times
+                epp_wall += wall
+            decided = len(epp_conc)
+            return {
+                "sequential": compare(direct_seq, epp_seq),
+                f"concurrent_{args.concurrency}": {
+                    **compare(direct_conc, epp_conc),
+                    "direct_requests_per_s": round(len(direct_conc) / direct_wall, 1),
+                    "through_epp_requests_per_s": round(decided / epp_wall, 1),
+                },
+                "epp_cpu_us_per_request": round(epp_cpu / decided * 1e6, 1),
+                "decisions_per_epp_cpu_second": round(decided / epp_cpu, 1),
+                "envoy_cpu_us_per_request_direct": round(envoy_cpu_direct / decided * 1e6, 1),
+                "envoy_cpu_us_per_request_through_epp": round(envoy_cpu_epp / decided * 1e6, 1),
+            }
+
+        try:
+            import uvloop
+
+            return uvloop.run(run())
+        except ImportError:
+            return asyncio.run(run())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sequential", type=int, default=1000, help="request pairs, one at a time")
+    parser.add_argument("--concurrent", type=int, default=3000, help="requests per route per round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--envoy-concurrency", type=int, default=1, help="Envoy worker threads")
+    parser.add_argument("--body-modes", default="full-duplex,buffered")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="a short run, for a smoke check")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.sequential, args.concurrent, args.rounds, args.warmup = 100, 300, 1, 50
+
+    results: dict[str, object] = {
+        "benchmark": "extproc_overhead",
+        "what": "latency epp adds through one real Envoy: a route skipping ext_proc vs one "
+        "through epp, alternated in the same run",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_at_start": os.getloadavg(),
+            "python": platform.python_version(),
+        },
+        "request_body_bytes": len(BODY),
+        "goals": GOALS,
+        "settings": {
+            "sequential_pairs": args.sequential,
+            "concurrent_requests_per_route": args.concurrent * args.rounds,
+            "concurrency": args.concurrency,
+            "envoy_worker_threads": args.envoy_concurrency,
+        },
+    }
+    backend_port, grpc_port, health_port, metrics_port = (free_port() for _ in range(4))
+    backend = f"127.0.0.1:{backend_port}"
+    with tempfile.TemporaryDirectory(prefix="extproc-bench-") as tmp, ExitStack() as stack:
+        workdir = Path(tmp)
+        stack.enter_context(
+            process(
+                [sys.executable, str(BACKEND_SCRIPT), "--port", str(backend_port)],
+                workdir / "backend.log",
+            )
+        )
+        epp = stack.enter_context(
+            process(
+                [sys.executable, "-c", "from smart_epp.epp.cli import main; main()", "serve",
+                 "--endpoint", backend, "--grpc-port", str(grpc_port),
+                 "--health-port", str(health_port), "--metrics-port", str(metrics_port),
+                 "--log-level", "warning"],
+                workdir / "epp.log",
+            )  # fmt: skip
+        )
+        wait_for(lambda: port_open(backend_port) and port_open(grpc_port), 30, "backend and epp")
+        modes = {}
+        for body_mode in args.body_modes.split(","):
+            print(f"measuring {body_mode} ...", file=sys.stderr)
+            modes[body_mode] = measure_mode(body_mode, grpc_port, epp.pid, backend, args, workdir)
+        results["body_modes"] = modes
+
+    print("in-process breakdown ...", file=sys.stderr)
+    parts = breakdown(2000 if args.quick else 20000)
+    results["epp_work_breakdown_us_per_request"] = parts
+    reference = modes.get("full-duplex") or next(iter(modes.values()))
+    cpu_per_request = float(reference["epp_cpu_us_per_request"])  # type: ignore[arg-type]
+    results["where_the_time_goes"] = {
+        "epp_cpu_us_per_request": cpu_per_request,
+        "epp_own_work_us": parts["whole_exchange_without_grpc_us"],
+        "grpc_and_event_loop_us": round(cpu_per_request - parts["whole_exchange_without_grpc_us"], 1),
+    }
+    concurrent = reference[f"concurrent_{args.concurrency}"]  # type: ignore[index]
+    results["verdict"] = {
+        "added_median_ms_at_concurrency": concurrent["added_median_ms"],
+        "added_p99_ms_at_concurrency": concurrent["added_p99_ms"],
+        "decisions_per_epp_cpu_second": reference["decisions_per_epp_cpu_second"],
+        "meets_median_goal": concurrent["added_median_ms"] <= GOALS["added_median_ms"],
+        "meets_p99_goal": concurrent["added_p99_ms"] <= GOALS["added_p99_ms"],
+        "meets_throughput_goal": reference["decisions_per_epp_cpu_second"]
+        >= GOALS["decisions_per_s"],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

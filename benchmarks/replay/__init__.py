@@ -1,0 +1,1 @@
+"""Replay a workload against a pool and compare routing policies (`epp replay`)."""

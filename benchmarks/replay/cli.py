@@ -1,0 +1,308 @@
+"""`epp replay`: replay a workload through simulated pods (every policy side by side) or
+against a live OpenAI endpoint, and report TTFT, throughput and cache behaviour."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from smart_epp.benchmarks.replay.arrivals import (
+    Stage,
+    ladder_arrivals,
+    parse_ladder,
+    poisson_arrivals,
+    scaled_arrivals,
+    stage_times,
+)
+from smart_epp.benchmarks.replay.live import LiveOptions, run_live
+from smart_epp.benchmarks.replay.policies.registry import (
+    ALL_POLICIES,
+    PolicyContext,
+    UnknownPolicy,
+    build_policy,
+    known_policy,
+)
+from smart_epp.benchmarks.replay.report import (
+    PolicySummary,
+    RequestResult,
+    plot_ladder,
+    plot_ttft_cdf,
+    render_ladder_table,
+    render_table,
+    results_json,
+    stage_summaries,
+    summarize,
+    write_json,
+)
+from smart_epp.benchmarks.replay.sim import SimConfig, SimPool, Simulation, pod_address
+from smart_epp.benchmarks.replay.traces import (
+    TRACE_FORMATS,
+    TraceError,
+    TraceRequest,
+    infinite_cache_hit_rate,
+    load_trace,
+)
+from smart_epp.benchmarks.sim.profiles import DEFAULT_PROFILE, PROFILES
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "replay",
+        help="replay a trace and compare routing policies (sim) or measure an endpoint (live)",
+        description=__doc__,
+    )
+    p.add_argument("--trace", required=True, type=Path, help="trace or workload file")
+    p.add_argument("--format", choices=TRACE_FORMATS, help="trace format (default: detect)")
+    p.add_argument("--pods", type=int, default=8, help="simulated pods (sim mode)")
+    p.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        choices=sorted(PROFILES),
+        help="latency profile of the simulated pods",
+    )
+    p.add_argument(
+        "--policy",
+        nargs="+",
+        action="extend",
+        metavar="NAME",
+        help=f"policies to compare in sim mode: {', '.join(ALL_POLICIES)}, or an "
+        "EndpointPickerConfig file (default: all); in live mode, the label of the target",
+    )
+    p.add_argument("--mode", choices=("sim", "live"), default="sim")
+    p.add_argument("--target", help="base URL of the OpenAI endpoint (live mode)")
+    p.add_argument("--speedup", type=float, default=1.0, help="divide trace timestamps by X")
+    p.add_argument("--qps", type=float, help="Poisson arrivals at Q requests/s instead")
+    p.add_argument("--ladder", help="comma-separated QPS stages, e.g. 2,4,8 (Poisson each)")
+    p.add_argument("--stage-duration", type=float, default=60.0, help="seconds per ladder stage")
+    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--out", type=Path, default=Path("replay-results"), help="output folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=64, help="live mode: requests in flight")
+    p.add_argument("--block-size", type=int, default=16, help="sim mode: KV block size")
+    p.add_argument(
+        "--kv-event-delay", type=float, default=0.05, help="sim mode: KV event delivery delay (s)"
+    )
+    p.add_argument(
+        "--scrape-interval", type=float, default=0.05, help="sim mode: metrics scrape period (s)"
+    )
+    p.add_argument("--max-model-len", type=int, help="sim mode: context limit of the pods")
+    p.add_argument("--model", help="model name to send (default: the trace's, else 'model')")
+    p.add_argument("--name", help="stem of the output files (default: replay_<trace name>)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.set_defaults(func=run)
+
+
+@dataclasses.dataclass(slots=True)
+class Workload:
+    requests: list[TraceRequest]
+    arrivals: list[float]
+    stages: list[Stage] | None = None
+
+    def stage_of(self) -> list[int | None] | None:
+        if self.stages is None:
+            return None
+        out: list[int | None] = [None] * len(self.requests)
+        for k, stage in enumerate(self.stages):
+            for i in stage.requests:
+                out[i] = k
+        return out
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    model = args.model or "model"
+    requests = load_trace(args.trace, args.format, args.limit, args.seed, model)
+    if not requests:
+        raise TraceError(f"{args.trace}: no requests")
+    if args.ladder:
+        stages = ladder_arrivals(parse_ladder(args.ladder), args.stage_duration, args.seed)
+        total = stages[-1].requests.stop
+        # A ladder needs as many requests as its stages send: reuse the workload in order.
+        cycled = [dataclasses.replace(requests[i % len(requests)], index=i) for i in range(total)]
+        return Workload(cycled, stage_times(stages, args.seed), stages)
+    if args.qps is not None:
+        return Workload(requests, poisson_arrivals(len(requests), args.qps, args.seed))
+    if all(r.timestamp_s == 0 for r in requests) and len(requests) > 1:
+        raise TraceError(f"{args.trace}: the trace has no timestamps; pass --qps or --ladder")
+    return Workload(requests, scaled_arrivals(requests, args.speedup))
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description:<22}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def simulate_policy(
+    name: str,
+    workload: Workload,
+    config: SimConfig,
+    seed: int,
+    progress: Progress | None = None,
+) -> list[RequestResult]:
+    """One policy over the whole workload on a fresh pool; deterministic for a seed."""
+    pool = SimPool.build(config)
+    clock_box: list[Simulation] = []
+    ctx = PolicyContext(pool, lambda: clock_box[0].now if clock_box else 0.0, seed, config.model)
+    policy = build_policy(name, ctx)
+    task = progress.add_task(name, total=len(workload.requests)) if progress else None
+
+    def done(_: RequestResult) -> None:
+        if progress is not None and task is not None:
+            progress.advance(task)
+
+    sim = Simulation(config, policy, pool, on_request_done=done)
+    clock_box.append(sim)
+    return asyncio.run(sim.run(workload.requests, workload.arrivals, workload.stage_of()))
+
+
+def _max_len(requests: Sequence[TraceRequest]) -> int:
+    return max(r.input_tokens + r.output_tokens for r in requests)
+
+
+def run_sim(args: argparse.Namespace, workload: Workload, console: Console) -> int:
+    names = args.policy or list(ALL_POLICIES)
+    for name in names:
+        if not known_policy(name):
+            console.print(f"[red]error:[/red] unknown policy {name!r}")
+            return 2
+    model = workload.requests[0].model
+    profile = PROFILES[args.profile]
+    config = SimConfig(
+        pods=args.pods,
+        profile=args.profile,
+        block_size=args.block_size,
+        kv_event_delay_s=args.kv_event_delay,
+        scrape_interval_s=args.scrape_interval,
+        # Long-context traces (Mooncake's go to ~190k tokens) need the pods to accept them.
+        max_model_len=args.max_model_len or max(profile.max_model_len, _max_len(workload.requests)),
+        model=model,
+    )
+    per_policy: dict[str, list[RequestResult]] = {}
+    wall_s: dict[str, float] = {}
+    with _progress(console) as progress:
+        for name in names:
+            started = time.perf_counter()
+            try:
+                per_policy[name] = simulate_policy(name, workload, config, args.seed, progress)
+            except UnknownPolicy as exc:
+                console.print(f"[red]error:[/red] {exc}")
+                return 2
+            wall_s[name] = round(time.perf_counter() - started, 2)
+    console.print(
+        "simulation time per policy: " + ", ".join(f"{n} {s:.1f}s" for n, s in wall_s.items())
+    )
+    ceiling = infinite_cache_hit_rate(workload.requests, args.block_size)
+    pods = [pod_address(i) for i in range(args.pods)]
+    # Wall time is about this machine, not the result: kept apart from the policies.
+    _report(args, console, per_policy, pods, ceiling, workload, "sim", {"sim_wall_s": wall_s})
+    return 0
+
+
+def run_live_mode(args: argparse.Namespace, workload: Workload, console: Console) -> int:
+    if not args.target:
+        console.print("[red]error:[/red] --mode live needs --target URL")
+        return 2
+    label = (args.policy or ["live"])[0]
+    opts = LiveOptions(target=args.target, concurrency=args.concurrency, model=args.model)
+    with _progress(console) as progress:
+        task = progress.add_task(label, total=len(workload.requests))
+        results = asyncio.run(
+            run_live(
+                workload.requests,
+                workload.arrivals,
+                opts,
+                on_done=lambda _: progress.advance(task),
+                stages=workload.stage_of(),
+            )
+        )
+    pods = sorted({r.pod for r in results if r.pod})
+    _report(args, console, {label: results}, pods, None, workload, "live")
+    return 0 if all(r.ok for r in results) else 1
+
+
+def _report(
+    args: argparse.Namespace,
+    console: Console,
+    per_policy: dict[str, list[RequestResult]],
+    pods: list[str],
+    ceiling: float | None,
+    workload: Workload,
+    mode: str,
+    extra: dict[str, object] | None = None,
+) -> None:
+    summaries = {name: summarize(rs, pods) for name, rs in per_policy.items()}
+    ladder: dict[str, dict[float, PolicySummary]] | None = None
+    if workload.stages is not None:
+        ladder = {}
+        for name, rs in per_policy.items():
+            by_stage = stage_summaries(rs, pods)
+            ladder[name] = {workload.stages[k].qps: s for k, s in by_stage.items()}
+    title = f"{args.trace.name}: {mode}, {len(pods) or args.pods} pods, {args.profile}"
+    console.print(render_table(summaries, ceiling, title))
+    if ladder:
+        console.print(render_ladder_table(ladder))
+    stem = args.name or f"replay_{args.trace.stem}"
+    doc = results_json(
+        str(args.trace),
+        args.pods if mode == "sim" else len(pods),
+        args.profile if mode == "sim" else "live",
+        summaries,
+        mode=mode,
+        ceiling=ceiling,
+        ladder=ladder,
+        extra={
+            "requests": len(workload.requests),
+            "seed": args.seed,
+            "speedup": None if (args.qps or args.ladder) else args.speedup,
+            "qps": args.qps,
+            "block_size": args.block_size,
+            "kv_event_delay_s": args.kv_event_delay,
+            "scrape_interval_s": args.scrape_interval,
+            **(extra or {}),
+        },
+    )
+    out_json = args.out / f"{stem}.json"
+    write_json(doc, out_json)
+    written = [out_json]
+    if not args.no_plots:
+        cdf = args.out / f"{stem}_ttft_cdf.png"
+        plot_ttft_cdf(per_policy, cdf, f"TTFT CDF: {args.trace.name}")
+        written.append(cdf)
+        if ladder:
+            lad = args.out / f"{stem}_ttft_p90_vs_qps.png"
+            plot_ladder(ladder, lad, f"TTFT p90 vs QPS: {args.trace.name}")
+            written.append(lad)
+    console.print("wrote " + ", ".join(str(p) for p in written))
+
+
+def run(args: argparse.Namespace) -> int:
+    # A pipe or a log file gets the full table width rather than rich's 80 columns.
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    try:
+        workload = build_workload(args)
+    except (TraceError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    if args.mode == "live":
+        return run_live_mode(args, workload, console)
+    return run_sim(args, workload, console)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="epp")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["replay", *(argv if argv is not None else sys.argv[1:])])
+    return int(args.func(args))

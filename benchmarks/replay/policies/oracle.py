@@ -1,0 +1,90 @@
+"""The oracle: predicted time to first token with perfect, instantaneous knowledge.
+
+It reads every simulated engine directly — the real prefix cache, the real queues — which
+no gateway can do, so it bounds what a TTFT-predicting router could reach with perfect
+information. It exists only inside the replay simulation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from smart_epp.benchmarks.sim.engine import SimEngine
+from smart_epp.epp.types import Decision, LLMRequest, PodState, Usage
+
+
+class Oracle:
+    name = "oracle"
+
+    def __init__(self, engines: Mapping[str, SimEngine]) -> None:
+        self._engines = engines
+        # Block digests of every request routed and not finished: the engines compute a
+        # waiting request's digests only when they first try to admit it.
+        self._digests: dict[str, list[bytes]] = {}
+
+    def _request_digests(self, engine: SimEngine, token_ids: Sequence[int]) -> list[bytes]:
+        bs = engine.block_size
+        hasher = engine.hasher
+        out: list[bytes] = []
+        parent: bytes | None = None
+        # At least one token is always computed, as in vLLM: the last full block before it.
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hasher.block_digest(parent, token_ids[i * bs : (i + 1) * bs], None)
+            out.append(parent)
+        return out
+
+    def _queued_prefill(self, engine: SimEngine) -> int:
+        bs = engine.block_size
+        work = 0
+        for r in engine.running:
+            if r.num_computed < r.num_prompt:
+                work += r.num_prompt - r.num_computed
+        for r in engine.waiting:
+            digests = r.digests or self._digests.get(r.req.request_id, [])
+            cached = len(engine.pool.longest_cached_prefix(digests)) * bs if digests else 0
+            work += max(1, r.num_prompt - r.num_computed - cached)
+        return work
+
+    def predict_ttft(self, engine: SimEngine, uncached_tokens: int) -> float:
+        prof = engine.profile
+        work = self._queued_prefill(engine) + uncached_tokens
+        steps = max(1, math.ceil(work / engine.max_num_batched_tokens))
+        decoding = [r for r in engine.running if r.num_computed >= r.num_prompt]
+        context = sum(len(r.tokens) for r in decoding)
+        per_step = (
+            prof.overhead_s
+            + len(decoding) * prof.decode_s_per_seq
+            + context * prof.attention_s_per_token
+        )
+        return work * prof.prefill_s_per_token + steps * per_step
+
+    async def schedule(self, request: LLMRequest, candidates: Sequence[PodState]) -> Decision:
+        if not candidates:
+            return Decision(endpoints=[], profile=self.name)
+        tokens = request.prompt_token_ids or []
+        first = self._engines[candidates[0].address]
+        digests = self._request_digests(first, tokens)
+        self._digests[request.request_id] = digests
+        scored: list[tuple[float, int, int, PodState]] = []
+        for i, pod in enumerate(candidates):
+            engine = self._engines[pod.address]
+            cached = len(engine.pool.longest_cached_prefix(digests)) * engine.block_size
+            ttft = self.predict_ttft(engine, max(1, len(tokens) - cached))
+            scored.append((ttft, -cached, i, pod))
+        scored.sort(key=lambda s: s[:3])
+        explain = {s[3].address: {"predicted_ttft_s": s[0], "cached_tokens": -s[1]} for s in scored}
+        return Decision(endpoints=[s[3] for s in scored], profile=self.name, explain=explain)
+
+    def on_routed(self, request: LLMRequest, decision: Decision) -> None:
+        return None
+
+    def on_response(
+        self,
+        request: LLMRequest,
+        address: str,
+        usage: Usage | None,
+        ttft_s: float | None,
+        ok: bool,
+    ) -> None:
+        self._digests.pop(request.request_id, None)

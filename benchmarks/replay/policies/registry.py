@@ -1,0 +1,71 @@
+"""Policies by name: the peers in this package, the oracle, and smart-epp's own scheduler
+for any built-in or file EndpointPickerConfig."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from smart_epp.benchmarks.replay.policies.aibrix import AIBrixPrefixCache
+from smart_epp.benchmarks.replay.policies.oracle import Oracle
+from smart_epp.benchmarks.replay.policies.sglang import SGLangCacheAware
+from smart_epp.benchmarks.replay.policies.simple import (
+    LeastQueue,
+    PowerOfTwo,
+    RandomChoice,
+    RoundRobin,
+)
+from smart_epp.benchmarks.replay.sim import RoutedPolicy, SimPool
+
+PEER_POLICIES = (
+    "round-robin",
+    "random",
+    "least-queue",
+    "power-of-two",
+    "sglang-cache-aware",
+    "aibrix-prefix-cache",
+)
+CONFIG_POLICIES = ("default", "gie-default", "llmd-precise")
+ALL_POLICIES = ("default", *PEER_POLICIES, "gie-default", "llmd-precise", "oracle")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    pool: SimPool
+    clock: Callable[[], float]  # the simulation's virtual clock
+    seed: int
+    model: str
+
+
+class UnknownPolicy(ValueError):
+    pass
+
+
+def known_policy(name: str) -> bool:
+    return name in ALL_POLICIES or Path(name).is_file()
+
+
+def build_policy(name: str, ctx: PolicyContext) -> RoutedPolicy:
+    if name == "round-robin":
+        return RoutedPolicy(name, RoundRobin())
+    if name == "random":
+        return RoutedPolicy(name, RandomChoice(ctx.seed))
+    if name == "least-queue":
+        return RoutedPolicy(name, LeastQueue(ctx.seed))
+    if name == "power-of-two":
+        return RoutedPolicy(name, PowerOfTwo(ctx.seed))
+    if name == "sglang-cache-aware":
+        return RoutedPolicy(name, SGLangCacheAware())
+    if name == "aibrix-prefix-cache":
+        return RoutedPolicy(name, AIBrixPrefixCache())
+    if name == "oracle":
+        return RoutedPolicy(name, Oracle(ctx.pool.engines))
+    if name in CONFIG_POLICIES or Path(name).is_file():
+        from smart_epp.benchmarks.replay.policies.smart_epp import build_config_policy
+
+        return build_config_policy(name, ctx)
+    raise UnknownPolicy(
+        f"unknown policy {name!r}: one of {', '.join(ALL_POLICIES)}, "
+        "or an EndpointPickerConfig file"
+    )

@@ -1,0 +1,301 @@
+"""Discrete-event replay in virtual time: N simulated vLLM engines behind one router.
+
+The router is any `Scheduler` (smart-epp's real one, a peer policy, or the oracle). It
+learns about the pods only the way a gateway does in production:
+- from KV-event batches each engine publishes after a step, encoded to msgpack by the
+  simulator and decoded by smart-epp's real decoder, delivered `kv_event_delay_s` later;
+- from metrics snapshots taken every `scrape_interval_s`;
+- from its own bookkeeping of the requests it has in flight per pod.
+Only the explicit oracle reads the engines directly.
+
+Nothing reads a clock or an unseeded random source, so a seed fixes the result.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from smart_epp.benchmarks.replay.report import RequestResult
+from smart_epp.benchmarks.replay.traces import DEFAULT_MODEL, TraceRequest
+from smart_epp.benchmarks.sim.engine import (
+    EngineConfig,
+    EngineMetrics,
+    RequestRejected,
+    SimEngine,
+    SimRequest,
+    StepOutcome,
+)
+from smart_epp.benchmarks.sim.kv_events import encode_batch
+from smart_epp.benchmarks.sim.profiles import DEFAULT_PROFILE, get_profile
+from smart_epp.epp.scheduler_api import Scheduler
+from smart_epp.epp.types import Api, Endpoint, LLMRequest, PodMetrics, PodState, Usage
+
+# Receives one pod's KV-event message (pod address, sequence number, msgpack payload).
+KVEventSink = Callable[[str, int, bytes], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class SimConfig:
+    pods: int = 8
+    profile: str = DEFAULT_PROFILE
+    block_size: int = 16
+    kv_event_delay_s: float = 0.05  # publish -> ZMQ -> decoder -> index
+    scrape_interval_s: float = 0.05  # the Inference Extension's default metrics refresh
+    max_model_len: int | None = None  # None: the profile's limit
+    model: str = DEFAULT_MODEL
+    num_blocks: int | None = None  # None: the profile's KV capacity
+
+
+@dataclass(slots=True)
+class RoutedPolicy:
+    """A policy as the simulation drives it."""
+
+    name: str
+    scheduler: Scheduler
+    kv_events: KVEventSink | None = None  # None: the policy does not use KV events
+
+
+def pod_address(i: int) -> str:
+    return f"10.0.0.{i + 1}:8000"
+
+
+@dataclass(slots=True)
+class _Tracked:
+    req: TraceRequest
+    llm: LLMRequest
+    result: RequestResult
+    arrival: float
+    first_token_at: float | None = None
+
+
+@dataclass(slots=True)
+class SimPool:
+    """The engines and the router-side view of them (what scrapes and bookkeeping show)."""
+
+    config: SimConfig
+    engines: dict[str, SimEngine] = field(default_factory=dict)
+    states: dict[str, PodState] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, config: SimConfig) -> SimPool:
+        pool = cls(config)
+        profile = get_profile(config.profile)
+        for i in range(config.pods):
+            address = pod_address(i)
+            pool.engines[address] = SimEngine(
+                EngineConfig(
+                    block_size=config.block_size,
+                    profile=profile,
+                    max_model_len=config.max_model_len,
+                    num_blocks=config.num_blocks,
+                    hash_seed="replay",
+                )
+            )
+            pool.states[address] = PodState(
+                endpoint=Endpoint(address=address),
+                metrics=PodMetrics(block_size=config.block_size),
+            )
+        return pool
+
+    def scrape(self, now: float) -> None:
+        for address, engine in self.engines.items():
+            _copy_metrics(engine.snapshot_metrics(), engine, self.states[address].metrics, now)
+
+
+def _copy_metrics(m: EngineMetrics, engine: SimEngine, out: PodMetrics, now: float) -> None:
+    out.waiting = m.num_requests_waiting
+    out.running = m.num_requests_running
+    out.kv_usage = m.kv_cache_usage_perc
+    out.running_adapters = frozenset(m.running_lora_adapters)
+    out.waiting_adapters = frozenset(m.waiting_lora_adapters)
+    out.max_loras = engine.max_loras
+    out.block_size = engine.block_size
+    out.num_gpu_blocks = engine.pool.num_usable
+    out.prefix_cache_queries = float(m.stats.prefix_cache_queries)
+    out.prefix_cache_hits = float(m.stats.prefix_cache_hits)
+    out.scraped_at = now
+    out.consecutive_failures = 0
+
+
+# Event kinds, in the order they run when due at the same instant: results of a finished
+# step first (they free capacity), then what the router hears, then new arrivals.
+_STEP_DONE, _KV_DELIVERY, _SCRAPE, _ARRIVAL, _STEP_START = range(5)
+
+
+class Simulation:
+    def __init__(
+        self,
+        config: SimConfig,
+        policy: RoutedPolicy,
+        pool: SimPool | None = None,
+        on_request_done: Callable[[RequestResult], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.pool = pool or SimPool.build(config)
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self._busy: dict[str, bool] = dict.fromkeys(self.pool.engines, False)
+        self._kv_seq: dict[str, int] = dict.fromkeys(self.pool.engines, 0)
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending = 0  # requests not yet finished or failed
+        self._on_done = on_request_done
+
+    def _push(self, at: float, kind: int, data: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (at, kind, self._seq, data))
+
+    async def run(
+        self,
+        requests: Sequence[TraceRequest],
+        arrivals: Sequence[float],
+        stages: Sequence[int | None] | None = None,
+    ) -> list[RequestResult]:
+        results: list[RequestResult] = []
+        for i, req in enumerate(requests):
+            result = RequestResult(
+                index=req.index,
+                arrival_s=arrivals[i],
+                pod=None,
+                ok=False,
+                status="pending",
+                prompt_tokens=req.input_tokens,
+                stage=stages[i] if stages is not None else None,
+            )
+            results.append(result)
+            self._push(arrivals[i], _ARRIVAL, (req, result))
+        self._pending = len(requests)
+        self.pool.scrape(0.0)
+        if requests:
+            self._push(self.config.scrape_interval_s, _SCRAPE, None)
+        while self._heap:
+            at, kind, _, data = heapq.heappop(self._heap)
+            self.now = at
+            if kind == _ARRIVAL:
+                await self._arrive(*data)
+            elif kind == _STEP_START:
+                self._start_step(data)
+            elif kind == _STEP_DONE:
+                self._finish_step(*data)
+            elif kind == _KV_DELIVERY:
+                assert self.policy.kv_events is not None
+                await self.policy.kv_events(*data)
+            elif kind == _SCRAPE:
+                self.pool.scrape(at)
+                if self._pending:
+                    self._push(at + self.config.scrape_interval_s, _SCRAPE, None)
+        return results
+
+    # -------------------------------------------------------------------- routing
+    async def _arrive(self, req: TraceRequest, result: RequestResult) -> None:
+        llm = LLMRequest(
+            request_id=f"req-{req.index}",
+            path="/v1/completions",
+            api=Api.COMPLETIONS,
+            model=req.model,
+            stream=True,
+            prompt_token_ids=req.token_ids(),
+            max_tokens=req.output_tokens,
+        )
+        candidates = [s for s in self.pool.states.values() if s.ready]
+        decision = await self.policy.scheduler.schedule(llm, candidates)
+        if not decision.endpoints:
+            self._fail(result, 503)
+            return
+        chosen = decision.endpoints[0]
+        address = chosen.address
+        self.policy.scheduler.on_routed(llm, decision)
+        result.pod = address
+        engine = self.pool.engines[address]
+        sim_req = SimRequest(
+            request_id=llm.request_id,
+            prompt_token_ids=llm.prompt_token_ids or [],
+            max_tokens=req.output_tokens,
+        )
+        try:
+            engine.add_request(sim_req, self.now)
+        except RequestRejected:
+            self._fail(result, 400)
+            self.policy.scheduler.on_response(llm, address, None, None, False)
+            return
+        inflight = chosen.inflight
+        inflight.requests += 1
+        inflight.prompt_tokens += req.input_tokens
+        self._tracked[llm.request_id] = _Tracked(req, llm, result, self.now)
+        if not self._busy[address]:
+            self._busy[address] = True
+            self._push(self.now, _STEP_START, address)
+
+    def _fail(self, result: RequestResult, status: int) -> None:
+        result.ok = False
+        result.status = status
+        self._pending -= 1
+        if self._on_done is not None:
+            self._on_done(result)
+
+    # -------------------------------------------------------------------- engines
+    def _start_step(self, address: str) -> None:
+        engine = self.pool.engines[address]
+        if not engine.has_unfinished():
+            self._busy[address] = False
+            return
+        outcome = engine.step(self.now)
+        if outcome.duration <= 0 and not outcome.progress:
+            # Nothing could be scheduled (all waiting requests blocked); the next arrival
+            # or finished step wakes the engine again.
+            self._busy[address] = False
+            if outcome.events:
+                self._publish(address, outcome)
+            return
+        self._push(outcome.end, _STEP_DONE, (address, outcome))
+
+    def _publish(self, address: str, outcome: StepOutcome) -> None:
+        if self.policy.kv_events is None or not outcome.events:
+            return
+        payload = encode_batch(outcome.events, outcome.end)
+        seq = self._kv_seq[address]
+        self._kv_seq[address] = seq + 1
+        self._push(
+            outcome.end + self.config.kv_event_delay_s, _KV_DELIVERY, (address, seq, payload)
+        )
+
+    def _finish_step(self, address: str, outcome: StepOutcome) -> None:
+        self._publish(address, outcome)
+        state = self.pool.states[address]
+        for p in outcome.progress:
+            t = self._tracked.get(p.request_id)
+            if t is None:
+                continue
+            if p.first_token:
+                t.first_token_at = outcome.end
+                t.result.cached_tokens = p.num_cached_tokens
+            if p.finished:
+                del self._tracked[p.request_id]
+                self._complete(t, state, outcome.end, p.num_prompt_tokens, p.num_cached_tokens)
+        self._start_step(address)
+
+    def _complete(
+        self, t: _Tracked, state: PodState, end: float, prompt_tokens: int, cached: int
+    ) -> None:
+        r = t.result
+        r.ok = True
+        r.status = 200
+        r.ttft_s = (t.first_token_at if t.first_token_at is not None else end) - t.arrival
+        r.e2e_s = end - t.arrival
+        r.output_tokens = t.req.output_tokens
+        r.prompt_tokens = prompt_tokens
+        r.cached_tokens = cached
+        inflight = state.inflight
+        inflight.requests -= 1
+        inflight.prompt_tokens -= t.req.input_tokens
+        self._pending -= 1
+        usage = Usage(
+            prompt_tokens=prompt_tokens, completion_tokens=r.output_tokens, cached_tokens=cached
+        )
+        self.policy.scheduler.on_response(t.llm, state.address, usage, r.ttft_s, True)
+        if self._on_done is not None:
+            self._on_done(r)

@@ -1,0 +1,1 @@
+"""Workload definitions shipped with the replay benchmark (YAML)."""

@@ -1,0 +1,1 @@
+"""Built-in EndpointPickerConfig files (default, gie-default, llmd-precise)."""

@@ -1,0 +1,506 @@
+"""The scheduling pipeline: prepare -> filters -> weighted scorers -> picker.
+
+`PipelineScheduler` implements the `Scheduler` protocol of `epp.scheduler_api`. Per
+request, an async prepare step gathers what the plugins need exactly once — the prompt's
+token ids (from the request, a local tokenizer or a pod's /tokenize) and each candidate
+pod's longest cached prefix (from the KV index) — then the decision itself runs as pure,
+synchronous plugin calls. `schedule_sync` runs the same decision with no I/O at all, for
+replays in virtual time (requests carry token ids; the index answers synchronously).
+
+Every decision can be logged at debug level as one line listing each candidate's score
+components; time spent goes to `inference_extension_scheduler_e2e_duration_seconds` and,
+per plugin, `inference_extension_plugin_duration_seconds`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import inspect
+import logging
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from prometheus_client import Histogram
+
+from smart_epp.epp.config import LoadedConfig, PluginSet, Profile, instantiate, load_config
+from smart_epp.epp.tokenization import (
+    LocalTokenizer,
+    PodTokenizer,
+    PromptTokenizer,
+    TokenizerRouter,
+)
+from smart_epp.epp.types import Decision, LLMRequest, PodState, Usage
+from smart_epp.kv_index.api import BlockIndex, PrefixHit
+from smart_epp.kv_index.keys import KeyScope, block_keys
+from smart_epp.scorers.base import Plugin, SchedulingContext
+
+log = logging.getLogger(__name__)
+
+_BUCKETS = (
+    0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005,
+    0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
+)  # fmt: skip
+E2E_DURATION = Histogram(
+    "inference_extension_scheduler_e2e_duration_seconds",
+    "Time to make one scheduling decision, prepare step included",
+    buckets=_BUCKETS,
+)
+PLUGIN_DURATION = Histogram(
+    "inference_extension_plugin_duration_seconds",
+    "Time spent in one scheduling plugin (or prepare stage) per request",
+    ["extension_point", "plugin_type", "plugin_name"],
+    buckets=_BUCKETS,
+)
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's GPU default; pods that report theirs override it
+MAX_TRACKED_REQUESTS = 100_000  # decisions awaiting on_response; oldest dropped beyond
+
+BlockSizeOf = Callable[[str], int | None]  # pod address -> block size (e.g. IngestState)
+ModelOf = Callable[[str], str | None]  # pod address -> base model its KV events are keyed by
+KeysFn = Callable[[Sequence[int], int, KeyScope], list[int]]
+
+
+# --------------------------------------------------------------------------- prefix matching
+
+
+class PrefixMatcher(Protocol):
+    """Finds, per pod, the longest run of the prompt's blocks the pod holds."""
+
+    async def match(
+        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
+    ) -> Mapping[str, PrefixHit]: ...
+
+    def match_sync(
+        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
+    ) -> Mapping[str, PrefixHit] | None:
+        """The same without awaiting, or None when the backend cannot answer synchronously."""
+        ...
+
+
+class IndexPrefixMatcher:
+    """Prefix matching against a `BlockIndex` with the KV index's key recipe.
+
+    Keys depend on the block size and on the scope (base model, adapter, cache_salt), so
+    pods are grouped by (block size, base model) and keys are computed once per group —
+    normally one group for the whole pool. A pod's base model is what its KV events were
+    keyed with (`model_of`, e.g. `IngestState.model`); otherwise the request's model for
+    base-model requests, or `base_model` for adapter requests (whose `model` names the
+    adapter).
+    """
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        *,
+        keys_fn: KeysFn = block_keys,
+        model_of: ModelOf | None = None,
+        base_model: str | None = None,
+    ) -> None:
+        self.index = index
+        self._keys_fn = keys_fn
+        self._model_of = model_of
+        self._base_model = base_model
+
+    def _groups(
+        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
+    ) -> list[tuple[list[int], list[str]]]:
+        fallback = request.model if request.adapter is None else self._base_model or request.model
+        model_of = self._model_of
+        groups: dict[tuple[int, str], list[str]] = {}
+        for address, size in block_sizes.items():
+            model = (model_of(address) if model_of is not None else None) or fallback
+            groups.setdefault((size, model), []).append(address)
+        out = []
+        for (size, model), addresses in groups.items():
+            scope = KeyScope(model, request.adapter, request.cache_salt)
+            out.append((self._keys_fn(token_ids, size, scope), addresses))
+        return out
+
+    async def match(
+        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
+    ) -> Mapping[str, PrefixHit]:
+        hits: dict[str, PrefixHit] = {}
+        for keys, addresses in self._groups(token_ids, request, block_sizes):
+            if keys:
+                hits.update(await self.index.lookup(keys, addresses))
+        return hits
+
+    def match_sync(
+        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
+    ) -> Mapping[str, PrefixHit] | None:
+        lookup_sync = getattr(self.index, "lookup_sync", None)
+        if lookup_sync is None:
+            return None
+        hits: dict[str, PrefixHit] = {}
+        for keys, addresses in self._groups(token_ids, request, block_sizes):
+            if keys:
+                hits.update(lookup_sync(keys, addresses))
+        return hits
+
+
+# --------------------------------------------------------------------------- the scheduler
+
+
+class PipelineScheduler:
+    """One scheduling profile run as prepare -> filters -> scorers -> picker."""
+
+    def __init__(
+        self,
+        plugins: PluginSet,
+        *,
+        profile: str | None = None,
+        prefix_matcher: PrefixMatcher | None = None,
+        tokenizer: PromptTokenizer | None = None,
+        block_size_of: BlockSizeOf | None = None,
+        default_block_size: int = DEFAULT_BLOCK_SIZE,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int | None = None,
+        explain: bool | None = None,
+        fallbacks: int = 0,
+    ) -> None:
+        self.plugins = plugins
+        self.fallbacks = fallbacks
+        self.profile = self._choose_profile(plugins.profiles, profile)
+        self.prefix_matcher = prefix_matcher
+        self.tokenizer = tokenizer
+        self.block_size_of = block_size_of
+        self.default_block_size = default_block_size
+        self.clock = clock
+        self.rng = random.Random(seed)
+        self._explain = explain
+        active: list[Plugin] = [*self.profile.filters, *(s for s, _ in self.profile.scorers)]
+        active.append(self.profile.picker)
+        self.active_plugins = active
+        self.needs_tokens = any(p.needs_tokens for p in active)
+        self.needs_prefix_hits = any(p.needs_prefix_hits for p in active)
+        self._contexts: OrderedDict[str, SchedulingContext] = OrderedDict()
+        self._timers = {
+            id(p): PLUGIN_DURATION.labels(p.kind.capitalize(), p.type_name, p.name) for p in active
+        }
+        self._tokenize_timer = PLUGIN_DURATION.labels("Prepare", "tokenize", "tokenize")
+        self._match_timer = PLUGIN_DURATION.labels("Prepare", "prefix-match", "prefix-match")
+
+    @staticmethod
+    def _choose_profile(profiles: Sequence[Profile], name: str | None) -> Profile:
+        if name is None:
+            return profiles[0]
+        for profile in profiles:
+            if profile.name == name:
+                return profile
+        raise ValueError(f"no scheduling profile named {name!r}")
+
+    # ------------------------------------------------------------------ prepare
+
+    def _explaining(self) -> bool:
+        return self._explain if self._explain is not None else log.isEnabledFor(logging.DEBUG)
+
+    def _context(self, request: LLMRequest, candidates: Sequence[PodState]) -> SchedulingContext:
+        ctx = SchedulingContext(
+            request=request,
+            now=self.clock(),
+            prompt_tokens=0,
+            token_ids=request.prompt_token_ids,
+            rng=self.rng,
+            explain=self._explaining(),
+        )
+        if self.needs_prefix_hits:
+            ctx.block_sizes = {p.address: self._block_size(p) for p in candidates}
+        return ctx
+
+    def _block_size(self, pod: PodState) -> int:
+        if self.block_size_of is not None:
+            size = self.block_size_of(pod.address)
+            if size:
+                return size
+        return pod.metrics.block_size or self.default_block_size
+
+    @staticmethod
+    def _count_prompt(ctx: SchedulingContext) -> None:
+        ctx.prompt_tokens = (
+            len(ctx.token_ids)
+            if ctx.token_ids is not None
+            else ctx.request.estimated_prompt_tokens()
+        )
+
+    async def prepare(
+        self, request: LLMRequest, candidates: Sequence[PodState]
+    ) -> SchedulingContext:
+        ctx = self._context(request, candidates)
+        if self.needs_tokens and ctx.token_ids is None and self.tokenizer is not None:
+            start = time.perf_counter()
+            ctx.token_ids = await self.tokenizer.tokenize(request, candidates)
+            self._tokenize_timer.observe(time.perf_counter() - start)
+        self._count_prompt(ctx)
+        if self.needs_prefix_hits and ctx.token_ids and self.prefix_matcher is not None:
+            start = time.perf_counter()
+            try:
+                ctx.prefix_hits = await self.prefix_matcher.match(
+                    ctx.token_ids, request, ctx.block_sizes
+                )
+            except Exception:  # an index outage degrades to "nothing cached", never a 5xx
+                log.exception("prefix lookup failed; scheduling without cache information")
+            self._match_timer.observe(time.perf_counter() - start)
+        return ctx
+
+    def prepare_sync(
+        self,
+        request: LLMRequest,
+        candidates: Sequence[PodState],
+        prefix_hits: Mapping[str, PrefixHit] | None = None,
+    ) -> SchedulingContext:
+        ctx = self._context(request, candidates)
+        self._count_prompt(ctx)
+        if prefix_hits is not None:
+            ctx.prefix_hits = prefix_hits
+        elif self.needs_prefix_hits and ctx.token_ids and self.prefix_matcher is not None:
+            start = time.perf_counter()
+            ctx.prefix_hits = self.prefix_matcher.match_sync(
+                ctx.token_ids, request, ctx.block_sizes
+            )
+            self._match_timer.observe(time.perf_counter() - start)
+        return ctx
+
+    # ------------------------------------------------------------------ decide
+
+    async def schedule(self, request: LLMRequest, candidates: Sequence[PodState]) -> Decision:
+        start = time.perf_counter()
+        ctx = await self.prepare(request, candidates)
+        decision = self.decide(ctx, candidates)
+        E2E_DURATION.observe(time.perf_counter() - start)
+        return decision
+
+    def schedule_sync(
+        self,
+        request: LLMRequest,
+        candidates: Sequence[PodState],
+        prefix_hits: Mapping[str, PrefixHit] | None = None,
+    ) -> Decision:
+        """The whole decision without I/O; `prefix_hits` overrides the index lookup."""
+        start = time.perf_counter()
+        ctx = self.prepare_sync(request, candidates, prefix_hits)
+        decision = self.decide(ctx, candidates)
+        E2E_DURATION.observe(time.perf_counter() - start)
+        return decision
+
+    def decide(self, ctx: SchedulingContext, candidates: Sequence[PodState]) -> Decision:
+        profile = self.profile
+        timers = self._timers
+        perf = time.perf_counter
+        pods = [p for p in candidates if p.ready]
+        for f in profile.filters:
+            if not pods:
+                break
+            t = perf()
+            pods = f.filter(ctx, pods)
+            timers[id(f)].observe(perf() - t)
+
+        per_scorer: list[tuple[str, list[float]]] = []
+        totals: list[float] = [0.0] * len(pods)
+        if pods:
+            first = True
+            for scorer, weight in profile.scorers:
+                t = perf()
+                scores = scorer.score(ctx, pods)
+                timers[id(scorer)].observe(perf() - t)
+                if first:
+                    totals = scores if weight == 1.0 else [weight * s for s in scores]
+                    first = False
+                elif weight:
+                    totals = [a + weight * s for a, s in zip(totals, scores, strict=True)]
+                if ctx.explain:
+                    per_scorer.append((scorer.name, scores))
+            t = perf()
+            picked = profile.picker.pick(ctx, pods, totals)
+            timers[id(profile.picker)].observe(perf() - t)
+            if self.fallbacks and len(picked) < len(pods):
+                picked = picked + self._fallbacks(pods, totals, picked)
+        else:
+            picked = []
+
+        decision = Decision(endpoints=picked, profile=profile.name, prompt_token_ids=ctx.token_ids)
+        if ctx.explain:
+            decision.explain = self._explanation(ctx, pods, per_scorer, totals)
+            log.debug(self._explain_line(ctx, decision))
+        self._remember(ctx)
+        return decision
+
+    def _fallbacks(
+        self, pods: Sequence[PodState], totals: Sequence[float], picked: Sequence[PodState]
+    ) -> list[PodState]:
+        taken = {p.address for p in picked}
+        rest = [i for i, p in enumerate(pods) if p.address not in taken]
+        best = heapq.nlargest(self.fallbacks, rest, key=totals.__getitem__)
+        return [pods[i] for i in best]
+
+    # ------------------------------------------------------------------ explain
+
+    @staticmethod
+    def _explanation(
+        ctx: SchedulingContext,
+        pods: Sequence[PodState],
+        per_scorer: Sequence[tuple[str, list[float]]],
+        totals: Sequence[float],
+    ) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for i, pod in enumerate(pods):
+            row = {name: scores[i] for name, scores in per_scorer}
+            row.update(ctx.components.get(pod.address, {}))
+            row["total"] = totals[i]
+            out[pod.address] = row
+        return out
+
+    @staticmethod
+    def _explain_line(ctx: SchedulingContext, decision: Decision) -> str:
+        picked = ",".join(p.address for p in decision.endpoints) or "-"
+        parts = []
+        for address, row in sorted(decision.explain.items(), key=lambda kv: -kv[1]["total"]):
+            fields = " ".join(f"{k}={v:.4g}" for k, v in row.items())
+            parts.append(f"{address}[{fields}]")
+        return (
+            f"decision request={ctx.request.request_id} model={ctx.request.model} "
+            f"profile={decision.profile} prompt_tokens={ctx.prompt_tokens} picked={picked} | "
+            + " ".join(parts)
+        )
+
+    # ------------------------------------------------------------------ outcomes
+
+    def _remember(self, ctx: SchedulingContext) -> None:
+        contexts = self._contexts
+        contexts[ctx.request.request_id] = ctx
+        while len(contexts) > MAX_TRACKED_REQUESTS:
+            contexts.popitem(last=False)
+
+    def on_routed(self, request: LLMRequest, decision: Decision) -> None:
+        ctx = self._contexts.get(request.request_id)
+        if ctx is None or not decision.endpoints:
+            return
+        ctx.now = self.clock()
+        chosen = decision.endpoints[0]
+        for plugin in self.active_plugins:
+            plugin.on_routed(ctx, chosen)
+
+    def on_response(
+        self,
+        request: LLMRequest,
+        address: str,
+        usage: Usage | None,
+        ttft_s: float | None,
+        ok: bool,
+    ) -> None:
+        ctx = self._contexts.pop(request.request_id, None)
+        if ctx is None:
+            return
+        now = self.clock()
+        for plugin in self.active_plugins:
+            plugin.on_response(ctx, address, usage, ttft_s, ok, now)
+
+    async def aclose(self) -> None:
+        close = getattr(self.tokenizer, "aclose", None)
+        if close is not None:
+            result = close()
+            if inspect.isawaitable(result):
+                await result
+
+
+# --------------------------------------------------------------------------- construction
+
+
+def tokenizer_from_config(plugins: PluginSet) -> TokenizerRouter:
+    """Local tokenizers from `local-tokenizer` plugins; /tokenize via a pod for the rest."""
+    local: dict[str, LocalTokenizer] = {}
+    for plugin in plugins.of_type("local-tokenizer"):
+        p = plugin.params
+        if p.path is None and p.tokenizerFile is None:
+            raise ValueError(f"{plugin.name}: set `path` or `tokenizerFile`")
+        local[p.modelName] = LocalTokenizer.from_model_dir(
+            Path(p.path or Path(p.tokenizerFile).parent),
+            tokenizer_file=p.tokenizerFile,
+            chat_template_file=p.chatTemplateFile,
+            cache_size=p.cacheSize,
+        )
+    pod_settings = plugins.of_type("pod-tokenizer")
+    if pod_settings:
+        p = pod_settings[0].params
+        fallback = PodTokenizer(cache_size=p.cacheSize, timeout_s=p.timeoutSeconds)
+    else:
+        fallback = PodTokenizer()
+    return TokenizerRouter(local, fallback)
+
+
+def _configured_block_size(plugins: PluginSet) -> int | None:
+    for plugin in plugins.plugins.values():
+        size = getattr(plugin.params, "blockSize", None)
+        if plugin.needs_prefix_hits and isinstance(size, int):
+            return size
+    return None
+
+
+def build_scheduler(
+    config: str | Path | LoadedConfig | None = None,
+    *,
+    index: BlockIndex | None = None,
+    prefix_matcher: PrefixMatcher | None = None,
+    tokenizer: PromptTokenizer | bool | None = None,
+    ingest_state: Any = None,
+    block_size_of: BlockSizeOf | None = None,
+    model_of: ModelOf | None = None,
+    base_model: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    seed: int | None = None,
+    profile: str | None = None,
+    explain: bool | None = None,
+    fallbacks: int = 0,
+) -> PipelineScheduler:
+    """Builds the scheduler for a config (a built-in name, a YAML path, or loaded config).
+
+    - `index`: the KV block index the precise scorers match prompts against (wrapped in an
+      `IndexPrefixMatcher`), or any `prefix_matcher`.
+    - `ingest_state`: the KV index's `IngestState`; supplies each pod's block size and base
+      model as learned from its events (`block_size_of` / `model_of` override it).
+      `base_model` names the base model for adapter requests when pods' events do not.
+    - `tokenizer`: None = from the config (local-tokenizer plugins, else a pod's /tokenize),
+      only when a plugin needs token ids; False = never tokenize (replays whose requests
+      carry token ids); or any `PromptTokenizer`.
+    - Block sizes: from the pod's events, else its /metrics cache_config_info, else the
+      config's `blockSize`, else 16.
+    - `clock`: monotonic seconds, or a virtual clock in a replay.
+    - `fallbacks`: extra endpoints, best-scored first, appended after the picker's choice.
+    """
+    plugins = instantiate(load_config(config))
+    if ingest_state is not None:
+        block_size_of = block_size_of or ingest_state.block_size
+        model_of = model_of or ingest_state.model
+    if prefix_matcher is None and index is not None:
+        prefix_matcher = IndexPrefixMatcher(index, model_of=model_of, base_model=base_model)
+    scheduler = PipelineScheduler(
+        plugins,
+        profile=profile,
+        prefix_matcher=prefix_matcher,
+        block_size_of=block_size_of,
+        default_block_size=_configured_block_size(plugins) or DEFAULT_BLOCK_SIZE,
+        clock=clock,
+        seed=seed,
+        explain=explain,
+        fallbacks=fallbacks,
+    )
+    if tokenizer is None or tokenizer is True:
+        if scheduler.needs_tokens:
+            scheduler.tokenizer = tokenizer_from_config(plugins)
+    elif tokenizer is not False:
+        scheduler.tokenizer = tokenizer
+    return scheduler
+
+
+__all__ = [
+    "E2E_DURATION",
+    "PLUGIN_DURATION",
+    "IndexPrefixMatcher",
+    "ModelOf",
+    "PipelineScheduler",
+    "PrefixMatcher",
+    "build_scheduler",
+]

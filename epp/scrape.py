@@ -1,0 +1,304 @@
+"""Pod signals from /metrics: a pure parser and a concurrent keep-alive scraper.
+
+`parse_vllm_metrics(text)` reads the few series the scheduler needs from a vLLM (or
+SGLang) Prometheus page. It scans lines for known names instead of building every
+metric family: a vLLM page is ~50 kB of histograms, and a 50 ms scrape interval across
+hundreds of pods makes a general parser the bottleneck.
+
+`MetricsScraper` polls every pod of a datastore concurrently over one keep-alive HTTP
+session (one task per pod, so a slow pod delays only itself). A pod whose scrape fails
+`failure_threshold` times in a row is marked not ready — it leaves the candidate set —
+and comes back with its first good scrape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import aiohttp
+from prometheus_client import Counter, Histogram
+
+from smart_epp.epp.types import PodMetrics, PodState
+
+log = logging.getLogger(__name__)
+
+SCRAPES = Counter("smart_epp_metrics_scrapes_total", "Pod /metrics scrapes by outcome", ["result"])
+MALFORMED_LINES = Counter(
+    "smart_epp_metrics_malformed_lines_total",
+    "Lines of a pod /metrics page with a known name that could not be parsed (dropped)",
+)
+SCRAPE_DURATION = Histogram(
+    "smart_epp_metrics_scrape_duration_seconds",
+    "Time to fetch and parse one pod /metrics page",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+)
+
+
+class MetricsParseError(ValueError):
+    """The page holds none of the series a model server exposes."""
+
+
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+# name -> field; counts add up across engines (data-parallel ranks), usage takes the max.
+_SUMMED = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+    "sglang:num_queue_reqs": "waiting",
+    "sglang:num_running_reqs": "running",
+}
+_MAXED = {
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",  # before vLLM 0.10
+    "sglang:token_usage": "kv_usage",
+}
+_LORA_INFO = "vllm:lora_requests_info"
+_CACHE_CONFIG = "vllm:cache_config_info"
+_KNOWN = frozenset((*_SUMMED, *_MAXED, _LORA_INFO, _CACHE_CONFIG))
+_INTEGER_FIELDS = frozenset(("waiting", "running"))
+
+
+def _split_sample(line: str) -> tuple[str, str, float]:
+    """(name, raw label block, value) of one exposition line; ValueError if malformed."""
+    brace = line.find("{")
+    if brace >= 0:
+        close = line.rfind("}")
+        if close < brace:
+            raise ValueError("unclosed label set")
+        name, labels, rest = line[:brace], line[brace + 1 : close], line[close + 1 :]
+    else:
+        name, _, rest = line.partition(" ")
+        labels = ""
+    fields = rest.split()
+    if not fields:
+        raise ValueError("no value")
+    value = float(fields[0])
+    if math.isnan(value):
+        raise ValueError("NaN")
+    return name.strip(), labels, value
+
+
+def _labels(raw: str) -> dict[str, str]:
+    return {k: v.replace('\\"', '"').replace("\\\\", "\\") for k, v in _LABEL.findall(raw)}
+
+
+def _adapters(value: str) -> frozenset[str]:
+    return frozenset(a.strip() for a in value.split(",") if a.strip())
+
+
+def parse_vllm_metrics(text: str) -> PodMetrics:
+    """The scheduler's signals from a vLLM or SGLang /metrics page.
+
+    `lora_requests_info` is a gauge whose value is the time its label set was last
+    written, and old label sets are never removed, so the current adapters are those of
+    the series with the largest value. Malformed lines of known series are counted and
+    dropped; a page with none of the known series raises MetricsParseError.
+    """
+    out = PodMetrics()
+    seen = False
+    lora_ts = -math.inf
+    for line in text.splitlines():
+        if not line.startswith(("vllm:", "sglang:")):
+            continue
+        try:
+            name, raw_labels, value = _split_sample(line)
+        except ValueError:
+            if line.split("{", 1)[0].split(" ", 1)[0] in _KNOWN:
+                MALFORMED_LINES.inc()
+            continue
+        field = _SUMMED.get(name)
+        if field is not None:
+            seen = True
+            current = getattr(out, field)
+            setattr(out, field, current + (int(value) if field in _INTEGER_FIELDS else value))
+            continue
+        field = _MAXED.get(name)
+        if field is not None:
+            seen = True
+            out.kv_usage = max(out.kv_usage, min(1.0, max(0.0, value)))
+            continue
+        if name == _LORA_INFO:
+            if value > lora_ts:
+                labels = _labels(raw_labels)
+                lora_ts = value
+                out.running_adapters = _adapters(labels.get("running_lora_adapters", ""))
+                out.waiting_adapters = _adapters(labels.get("waiting_lora_adapters", ""))
+                try:
+                    out.max_loras = int(labels.get("max_lora", "0") or 0)
+                except ValueError:
+                    MALFORMED_LINES.inc()
+        elif name == _CACHE_CONFIG:
+            labels = _labels(raw_labels)
+            try:
+                if labels.get("block_size", "").isdigit():
+                    out.block_size = int(labels["block_size"])
+                if labels.get("num_gpu_blocks", "").isdigit():
+                    out.num_gpu_blocks = int(labels["num_gpu_blocks"])
+            except ValueError:
+                MALFORMED_LINES.inc()
+    if not seen:
+        raise MetricsParseError("no vLLM or SGLang scheduler metrics on the page")
+    return out
+
+
+# --------------------------------------------------------------------------- scraper
+
+PodLister = Callable[[], Iterable[PodState]]
+
+
+def pod_lister(datastore: Any) -> PodLister:
+    """Adapts a datastore (with `pods()`, or `pods` as a mapping/sequence) or a callable."""
+    if callable(datastore):
+        return datastore
+    pods = getattr(datastore, "pods", None)
+    if callable(pods):
+        return pods
+    if isinstance(pods, dict):
+        return lambda: list(pods.values())
+    if pods is not None:
+        return lambda: list(pods)
+    raise TypeError("the datastore must expose pods() or be a callable returning PodStates")
+
+
+class MetricsScraper:
+    """Keeps every pod's `PodState.metrics` and `ready` current from its /metrics page."""
+
+    def __init__(
+        self,
+        datastore: Any,
+        interval_s: float = 0.05,
+        timeout_s: float = 0.5,
+        stale_after_s: float = 1.0,
+        failure_threshold: int = 3,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        session_factory: Callable[[], aiohttp.ClientSession] | None = None,
+    ) -> None:
+        self._list_pods = pod_lister(datastore)
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.stale_after_s = stale_after_s
+        self.failure_threshold = failure_threshold
+        self.clock = clock
+        self._session_factory = session_factory
+        self._session: aiohttp.ClientSession | None = None
+        self._pods: dict[str, PodState] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._unready_by_us: set[str] = set()
+        self._supervisor: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        if self._supervisor is not None:
+            return
+        factory = self._session_factory or (
+            lambda: aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            )
+        )
+        self._session = factory()
+        self._sync_pods()
+        self._supervisor = asyncio.create_task(self._supervise(), name="metrics-scraper")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._supervisor, *self._tasks.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._supervisor = None
+        self._tasks.clear()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ------------------------------------------------------------------ state
+
+    def stale(self, pod: PodState) -> bool:
+        """True when the pod's metrics are older than `stale_after_s` (or never came)."""
+        scraped = pod.metrics.scraped_at
+        return scraped == 0.0 or self.clock() - scraped > self.stale_after_s
+
+    def _sync_pods(self) -> None:
+        current = {p.address: p for p in self._list_pods()}
+        self._pods = current
+        for address in list(self._tasks):
+            if address not in current:
+                self._tasks.pop(address).cancel()
+                self._unready_by_us.discard(address)
+        for address in current:
+            if address not in self._tasks:
+                self._tasks[address] = asyncio.create_task(
+                    self._scrape_loop(address), name=f"scrape {address}"
+                )
+
+    async def _supervise(self) -> None:
+        # Pods come and go with discovery; pick the changes up at the scrape cadence.
+        while True:
+            await asyncio.sleep(max(self.interval_s, 0.05))
+            try:
+                self._sync_pods()
+            except Exception:
+                log.exception("listing pods for the metrics scraper failed")
+
+    async def _scrape_loop(self, address: str) -> None:
+        while True:
+            started = time.perf_counter()
+            pod = self._pods.get(address)
+            if pod is None:
+                return
+            await self.scrape_once(pod)
+            elapsed = time.perf_counter() - started
+            await asyncio.sleep(max(0.0, self.interval_s - elapsed))
+
+    async def scrape_once(self, pod: PodState) -> bool:
+        """Fetches and applies one scrape; True on success."""
+        assert self._session is not None, "start() first"
+        started = time.perf_counter()
+        try:
+            async with self._session.get(pod.endpoint.metrics_url) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(
+                        resp.request_info, (), status=resp.status, message=resp.reason or ""
+                    )
+                text = await resp.text()
+            metrics = parse_vllm_metrics(text)
+        except MetricsParseError as exc:
+            SCRAPES.labels("malformed").inc()
+            self._failed(pod, exc)
+            return False
+        except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError) as exc:
+            SCRAPES.labels("error").inc()
+            self._failed(pod, exc)
+            return False
+        SCRAPE_DURATION.observe(time.perf_counter() - started)
+        SCRAPES.labels("ok").inc()
+        metrics.scraped_at = self.clock()
+        pod.metrics = metrics
+        if pod.address in self._unready_by_us:
+            self._unready_by_us.discard(pod.address)
+            pod.ready = True
+            log.info("pod %s answers /metrics again; back in the candidate set", pod.address)
+        return True
+
+    def _failed(self, pod: PodState, exc: BaseException) -> None:
+        pod.metrics.consecutive_failures += 1
+        failures = pod.metrics.consecutive_failures
+        if failures >= self.failure_threshold and pod.ready:
+            pod.ready = False
+            self._unready_by_us.add(pod.address)
+            log.warning(
+                "pod %s failed %d /metrics scrapes in a row (%r); out of the candidate set",
+                pod.address,
+                failures,
+                exc,
+            )

@@ -1,0 +1,380 @@
+"""Prompt tokenization for the precise prefix scorers.
+
+Two ways, chosen per model:
+
+- `PodTokenizer` (the default, nothing to configure): POST the prompt to a pod's
+  `/tokenize` endpoint — chat requests as `messages` + `add_generation_prompt`, so the pod
+  applies its own chat template. It always agrees with the pods.
+- `LocalTokenizer` (the fast path): the model's tokenizer.json through the `tokenizers`
+  library, and its chat template rendered the way vLLM renders it (a sandboxed Jinja
+  environment with trim_blocks/lstrip_blocks; the rendered chat is tokenized without
+  adding special tokens, a plain prompt with them).
+
+Both keep an LRU of results. The local path also caches per segment between special
+tokens (chat turn markers), so a long conversation whose earlier turns were seen before
+only tokenizes its new turns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+import aiohttp
+import xxhash
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from prometheus_client import Counter
+from tokenizers import Tokenizer
+
+from smart_epp.epp.types import LLMRequest, PodState
+
+log = logging.getLogger(__name__)
+
+TOKENIZE_TOTAL = Counter(
+    "smart_epp_tokenize_total",
+    "Prompt tokenizations by path and outcome",
+    ["path", "result"],
+)
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class LRUCache(Generic[K, V]):
+    """A small least-recently-used map."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._data: OrderedDict[K, V] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        value = self._data.get(key)
+        if value is not None:
+            self._data.move_to_end(key)
+        return value
+
+    def put(self, key: K, value: V) -> None:
+        self._data[key] = value
+        self._data.move_to_end(key)
+        while len(self._data) > self.capacity:
+            self._data.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class PromptTokenizer(Protocol):
+    async def tokenize(self, request: LLMRequest, pods: Sequence[PodState]) -> list[int] | None:
+        """The prompt's token ids as the pods will see them, or None when unavailable."""
+        ...
+
+
+def request_cache_key(request: LLMRequest) -> bytes | None:
+    """A compact key for the prompt (a 128-bit digest, so long prompts stay cheap to keep)."""
+    if request.messages is not None:
+        text = "chat\0" + json.dumps(request.messages, sort_keys=True, separators=(",", ":"))
+    elif request.prompt is not None:
+        text = "text\0" + request.prompt
+    else:
+        return None
+    return xxhash.xxh3_128_digest(f"{request.model}\0{text}".encode())
+
+
+# --------------------------------------------------------------------------- local
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def chat_template_environment() -> ImmutableSandboxedEnvironment:
+    """The Jinja environment Hugging Face (and so vLLM) renders chat templates in."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        content = value.get("content")
+        return content if isinstance(content, str) else None
+    return None
+
+
+class LocalTokenizer:
+    """One model's tokenizer and chat template, in-process."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        chat_template: str | None,
+        special_tokens: Mapping[str, str] | None = None,
+        cache_size: int = 4096,
+    ) -> None:
+        self._tok = tokenizer
+        self._template = (
+            chat_template_environment().from_string(chat_template) if chat_template else None
+        )
+        self._special_tokens = dict(special_tokens or {})
+        self._cache: LRUCache[bytes, list[int]] = LRUCache(cache_size)
+        self._segments: LRUCache[str, list[int]] = LRUCache(cache_size * 8)
+        self._added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self._split = (
+            re.compile(
+                "("
+                + "|".join(re.escape(t) for t in sorted(self._added, key=len, reverse=True))
+                + ")"
+            )
+            if self._added
+            else None
+        )
+        self._prefix, self._suffix = self._special_affixes()
+        self._segmented = self._split is not None and self._segmenting_is_exact()
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        path: str | Path,
+        *,
+        tokenizer_file: str | Path | None = None,
+        chat_template_file: str | Path | None = None,
+        cache_size: int = 4096,
+    ) -> LocalTokenizer:
+        """Loads tokenizer.json, tokenizer_config.json and chat_template.jinja from `path`."""
+        folder = Path(path)
+        tokenizer = Tokenizer.from_file(str(tokenizer_file or folder / "tokenizer.json"))
+        config: dict[str, Any] = {}
+        config_path = folder / "tokenizer_config.json"
+        if config_path.exists():
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        template: str | None = None
+        template_path = (
+            Path(chat_template_file) if chat_template_file else folder / "chat_template.jinja"
+        )
+        if template_path.exists():
+            template = template_path.read_text(encoding="utf-8")
+        elif isinstance(config.get("chat_template"), str):
+            template = config["chat_template"]
+        specials = {}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            text = _token_text(config.get(key))
+            if text is not None:
+                specials[key] = text
+        return cls(tokenizer, template, specials, cache_size)
+
+    def _special_affixes(self) -> tuple[list[int], list[int]]:
+        """The ids the post-processor adds around a plain prompt (e.g. BOS)."""
+        probe = "probe text"
+        bare = self._tok.encode(probe, add_special_tokens=False).ids
+        full = self._tok.encode(probe, add_special_tokens=True).ids
+        for start in range(len(full) - len(bare) + 1):
+            if full[start : start + len(bare)] == bare:
+                return full[:start], full[start + len(bare) :]
+        return [], []
+
+    def _segmenting_is_exact(self) -> bool:
+        # Splitting at special tokens matches whole-text encoding for byte-level BPE, but
+        # not for pre-tokenizers that treat the start of the text specially (Metaspace
+        # "first"); check on a probe rather than trusting the tokenizer family.
+        tokens = list(self._added)[:3]
+        probe = f" hello{tokens[0]}world  x{tokens[-1]}\n tail" if tokens else "x"
+        return (
+            self._encode_segmented(probe) == self._tok.encode(probe, add_special_tokens=False).ids
+        )
+
+    def _encode_segmented(self, text: str) -> list[int]:
+        assert self._split is not None
+        out: list[int] = []
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            special = self._added.get(piece)
+            if special is not None:
+                out.append(special)
+                continue
+            ids = self._segments.get(piece)
+            if ids is None:
+                ids = self._tok.encode(piece, add_special_tokens=False).ids
+                self._segments.put(piece, ids)
+            out.extend(ids)
+        return out
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if not self._segmented:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        body = self._encode_segmented(text)
+        return [*self._prefix, *body, *self._suffix] if add_special_tokens else body
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if self._template is None:
+            raise ValueError("this model has no chat template")
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens
+        )
+
+    def tokenize_sync(self, request: LLMRequest) -> list[int] | None:
+        if request.prompt_token_ids is not None:
+            return request.prompt_token_ids
+        key = request_cache_key(request)
+        if key is None:
+            return None
+        cached = self._cache.get(key)
+        if cached is not None:
+            TOKENIZE_TOTAL.labels("local", "cache_hit").inc()
+            return cached
+        if request.messages is not None:
+            # vLLM tokenizes a rendered chat without adding special tokens: the template
+            # already wrote them.
+            ids = self.encode(self.render_chat(request.messages), add_special_tokens=False)
+        else:
+            ids = self.encode(request.prompt or "", add_special_tokens=True)
+        self._cache.put(key, ids)
+        TOKENIZE_TOTAL.labels("local", "ok").inc()
+        return ids
+
+    async def tokenize(self, request: LLMRequest, pods: Sequence[PodState]) -> list[int] | None:
+        try:
+            return self.tokenize_sync(request)
+        except Exception as exc:  # a template error must not fail the request
+            TOKENIZE_TOTAL.labels("local", "error").inc()
+            log.warning("local tokenization failed for model %s: %s", request.model, exc)
+            return None
+
+
+# --------------------------------------------------------------------------- via a pod
+
+
+class PodTokenizer:
+    """Asks a pod serving the model for the token ids (vLLM's POST /tokenize)."""
+
+    def __init__(
+        self,
+        *,
+        cache_size: int = 4096,
+        timeout_s: float = 2.0,
+        session_factory: Callable[[], aiohttp.ClientSession] | None = None,
+        attempts: int = 2,
+    ) -> None:
+        self._cache: LRUCache[bytes, list[int]] = LRUCache(cache_size)
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session_factory = session_factory
+        self._session: aiohttp.ClientSession | None = None
+        self._attempts = attempts
+        self._turn = 0
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            factory = self._session_factory or (
+                lambda: aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+                )
+            )
+            self._session = factory()
+        return self._session
+
+    @staticmethod
+    def tokenize_body(request: LLMRequest) -> dict[str, Any] | None:
+        if request.messages is not None:
+            return {
+                "model": request.model,
+                "messages": request.messages,
+                "add_generation_prompt": True,
+            }
+        if request.prompt is not None:
+            return {"model": request.model, "prompt": request.prompt}
+        return None
+
+    async def tokenize(self, request: LLMRequest, pods: Sequence[PodState]) -> list[int] | None:
+        if request.prompt_token_ids is not None:
+            return request.prompt_token_ids
+        key = request_cache_key(request)
+        body = self.tokenize_body(request)
+        if key is None or body is None:
+            return None
+        cached = self._cache.get(key)
+        if cached is not None:
+            TOKENIZE_TOTAL.labels("pod", "cache_hit").inc()
+            return cached
+        ready = [p for p in pods if p.ready] or list(pods)
+        if not ready:
+            return None
+        for attempt in range(min(self._attempts, len(ready))):
+            pod = ready[(self._turn + attempt) % len(ready)]
+            ids = await self._ask(pod.address, body)
+            if ids is not None:
+                self._turn += 1
+                self._cache.put(key, ids)
+                TOKENIZE_TOTAL.labels("pod", "ok").inc()
+                return ids
+        TOKENIZE_TOTAL.labels("pod", "error").inc()
+        return None
+
+    async def _ask(self, address: str, body: dict[str, Any]) -> list[int] | None:
+        try:
+            async with self._client().post(
+                f"http://{address}/tokenize", json=body, timeout=self._timeout
+            ) as resp:
+                if resp.status != 200:
+                    log.warning("POST %s/tokenize answered %s", address, resp.status)
+                    return None
+                payload = await resp.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            log.warning("POST %s/tokenize failed: %r", address, exc)
+            return None
+        tokens = payload.get("tokens") if isinstance(payload, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            log.warning("POST %s/tokenize returned no token list", address)
+            return None
+        return tokens
+
+    async def aclose(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+
+class TokenizerRouter:
+    """Local tokenizers for the models that have one; a pod's /tokenize for the rest."""
+
+    def __init__(
+        self, local: Mapping[str, LocalTokenizer], fallback: PromptTokenizer | None
+    ) -> None:
+        self.local = dict(local)
+        self.fallback = fallback
+
+    async def tokenize(self, request: LLMRequest, pods: Sequence[PodState]) -> list[int] | None:
+        if request.prompt_token_ids is not None:
+            return request.prompt_token_ids
+        local = self.local.get(request.model)
+        if local is not None:
+            return await local.tokenize(request, pods)
+        if self.fallback is not None:
+            return await self.fallback.tokenize(request, pods)
+        return None
+
+    async def aclose(self) -> None:
+        close = getattr(self.fallback, "aclose", None)
+        if close is not None:
+            await close()

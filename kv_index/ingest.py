@@ -1,0 +1,182 @@
+"""Turns one pod's decoded event batches into index operations (pure, no I/O).
+
+Per pod it keeps what the events teach: the block size, and for each data-parallel rank
+and tier the map from vLLM's block hash to smart-epp's key, which is how a BlockRemoved
+(which carries only vLLM hashes) finds the key to drop and how a BlockStored's parent
+hash becomes the seed of its chain.
+
+Key scope: `model` is the base model the pod serves (given when the pod is registered),
+`adapter` is the event's `lora_name`, and `cache_salt` is read from the first block's
+published extra keys (vLLM puts the salt there, untagged, next to the adapter name).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from smart_epp.epp.types import Medium
+from smart_epp.kv_index.events import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
+from smart_epp.kv_index.keys import KeyScope, extend_keys, root_key
+
+
+@dataclass(frozen=True, slots=True)
+class IndexOp:
+    kind: Literal["add", "remove", "clear"]
+    keys: list[int] = field(default_factory=list)
+    medium: Medium = "GPU"
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    ops: list[IndexOp] = field(default_factory=list)
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    orphan_blocks: int = 0  # stored after a parent we never saw: no key can be computed
+    unknown_removals: int = 0  # removal of a hash we never saw stored
+    malformed_events: int = 0
+
+
+def medium_of(raw: str | None) -> Medium:
+    # vLLM names its tiers GPU/CPU (and reports "GPU" on its CPU build); any other
+    # offload tier is at least as slow as CPU.
+    if raw is None or raw == "GPU":
+        return "GPU"
+    return "GPU" if raw.upper() == "GPU" else "CPU"
+
+
+def cache_salt_of(event: BlockStored) -> str | None:
+    """The cache_salt vLLM folded into the first block's extra keys, if any."""
+    if event.parent_block_hash is not None or not event.extra_keys:
+        return None
+    first = event.extra_keys[0]
+    if not isinstance(first, list):
+        return None
+    salts = [k for k in first if isinstance(k, str) and k != event.lora_name]
+    return salts[-1] if salts else None
+
+
+@dataclass(slots=True)
+class PodIngest:
+    model: str
+    block_size: int | None = None
+    # (data-parallel rank, tier) -> vLLM block hash -> smart-epp key
+    maps: dict[tuple[int, Medium], dict[BlockHash, int]] = field(default_factory=dict)
+    batches: int = 0
+    # (adapter, cache_salt, block size) -> root key; saves rebuilding a scope per event
+    roots: dict[tuple[str | None, str | None, int], int] = field(default_factory=dict)
+
+    def root(self, adapter: str | None, salt: str | None, block_size: int) -> int:
+        key = (adapter, salt, block_size)
+        seed = self.roots.get(key)
+        if seed is None:
+            seed = self.roots[key] = root_key(KeyScope(self.model, adapter, salt), block_size)
+        return seed
+
+    def hashes_known(self) -> int:
+        return sum(len(m) for m in self.maps.values())
+
+
+class IngestState:
+    """What the index learned from each pod's events; pods are "ip:port" addresses."""
+
+    def __init__(self) -> None:
+        self._pods: dict[str, PodIngest] = {}
+
+    def register_pod(self, pod: str, model: str) -> PodIngest:
+        state = self._pods.get(pod)
+        if state is None:
+            state = self._pods[pod] = PodIngest(model=model)
+        elif state.model != model:
+            state.model = model
+            state.roots.clear()
+        return state
+
+    def forget_pod(self, pod: str) -> None:
+        self._pods.pop(pod, None)
+
+    def reset_pod(self, pod: str) -> None:
+        """The pod restarted or cleared its cache: nothing it published is valid."""
+        state = self._pods.get(pod)
+        if state is not None:
+            state.maps.clear()
+
+    def pods(self) -> list[str]:
+        return list(self._pods)
+
+    def pod(self, pod: str) -> PodIngest | None:
+        return self._pods.get(pod)
+
+    def block_size(self, pod: str) -> int | None:
+        """The block size the pod's events use (None until its first BlockStored)."""
+        state = self._pods.get(pod)
+        return None if state is None else state.block_size
+
+    def model(self, pod: str) -> str | None:
+        state = self._pods.get(pod)
+        return None if state is None else state.model
+
+    def apply(self, pod: str, batch: EventBatch, model: str = "") -> ApplyResult:
+        state = self._pods.get(pod) or self.register_pod(pod, model)
+        state.batches += 1
+        rank = batch.data_parallel_rank or 0
+        result = ApplyResult()
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._stored(state, rank, event, result)
+            elif isinstance(event, BlockRemoved):
+                self._removed(state, rank, event, result)
+            elif isinstance(event, AllBlocksCleared):
+                state.maps.clear()
+                result.ops.append(IndexOp("clear"))
+        return result
+
+    def _stored(self, state: PodIngest, rank: int, event: BlockStored, out: ApplyResult) -> None:
+        hashes = event.block_hashes
+        if not hashes:
+            return
+        block_size = event.block_size or len(event.token_ids) // len(hashes)
+        if block_size <= 0 or len(event.token_ids) < block_size * len(hashes):
+            out.malformed_events += 1
+            return
+        medium = medium_of(event.medium)
+        tier_map = state.maps.setdefault((rank, medium), {})
+        parent = event.parent_block_hash
+        if parent is None:
+            seed = state.root(event.lora_name, cache_salt_of(event), block_size)
+        else:
+            found = tier_map.get(parent)
+            if found is None:
+                other = state.maps.get((rank, "CPU" if medium == "GPU" else "GPU"))
+                found = None if other is None else other.get(parent)
+            if found is None:
+                out.orphan_blocks += len(hashes)
+                return
+            seed = found
+        # extend_keys ignores tokens past the last full block, so no slicing is needed.
+        keys = extend_keys(seed, event.token_ids, block_size)[: len(hashes)]
+        tier_map.update(zip(hashes, keys, strict=True))
+        state.block_size = block_size
+        out.stored_blocks += len(keys)
+        out.ops.append(IndexOp("add", keys, medium))
+
+    def _removed(self, state: PodIngest, rank: int, event: BlockRemoved, out: ApplyResult) -> None:
+        medium = medium_of(event.medium)
+        tier_map = state.maps.get((rank, medium))
+        keys: list[int] = []
+        if tier_map is not None:
+            pop = tier_map.pop
+            for block_hash in event.block_hashes:
+                key = pop(block_hash, None)
+                if key is not None:
+                    keys.append(key)
+        out.unknown_removals += len(event.block_hashes) - len(keys)
+        if keys:
+            out.removed_blocks += len(keys)
+            out.ops.append(IndexOp("remove", keys, medium))

@@ -1,0 +1,359 @@
+"""The in-memory block index: key -> which pods hold the block, on which tier.
+
+Layout, chosen for memory and lookup speed in pure Python:
+- each pod gets a small slot number; a block's holders are ONE int per key with two bits
+  per slot (bit 2s = GPU, bit 2s+1 = CPU), so a block held by many pods costs one dict
+  entry, and identical holder sets share one int object (interned);
+- the dict's insertion order is the recency order: storing or confirming a block moves
+  it to the end, and eviction drops from the front in chunks (a chunk per call keeps the
+  scan over the dict's deleted slots amortised O(1) per insert);
+- speculative entries (the gateway routed a request there; no event yet) live in a
+  separate small map with an expiry from the injected clock, so the replay simulator can
+  run this index in virtual time.
+
+Every method has a synchronous form (`*_sync`) and the async `BlockIndex` form.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+from itertools import groupby, repeat
+
+from smart_epp.epp.types import Medium
+from smart_epp.kv_index.api import PrefixHit
+
+DEFAULT_CAPACITY = 4_000_000  # distinct blocks
+DEFAULT_SPECULATIVE_TTL_S = 2.0
+_MASK_INTERN_LIMIT = 65_536
+
+
+def _medium_offset(medium: str | None) -> int:
+    # Anything that is not device memory (CPU, disk, remote offload) ranks as the slow tier.
+    if medium is None or medium == "GPU":
+        return 0
+    return 0 if medium.upper() == "GPU" else 1
+
+
+class MemoryBlockIndex:
+    def __init__(
+        self,
+        capacity: int = DEFAULT_CAPACITY,
+        clock: Callable[[], float] = time.monotonic,
+        evict_chunk: int | None = None,
+    ) -> None:
+        if capacity <= 0:
+            raise ValueError("capacity must be positive")
+        self.capacity = capacity
+        self._clock = clock
+        # Evicting a chunk at a time amortises the scan over deleted dict slots.
+        self._evict_chunk = evict_chunk or max(1, min(capacity // 16, 65_536))
+        self._table: dict[int, int] = {}
+        self._masks: dict[int, int] = {}
+        self._slot_of: dict[str, int] = {}
+        self._pod_of: dict[int, str] = {}
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._all_pods_mask = 0  # the GPU bit of every slot in use
+        self._entries = 0  # (block, pod) pairs held, speculative ones excluded
+        self._spec: dict[int, dict[int, float]] = {}  # key -> slot -> expiry
+        self._spec_heap: list[tuple[float, int, tuple[int, ...]]] = []
+        self.evicted_blocks = 0
+
+    # ---- bookkeeping -----------------------------------------------------------------
+
+    @property
+    def entries(self) -> int:
+        """(block, pod) pairs currently held (speculative entries not counted)."""
+        return self._entries
+
+    @property
+    def blocks(self) -> int:
+        return len(self._table)
+
+    def pods(self) -> list[str]:
+        return list(self._slot_of)
+
+    def _slot(self, pod: str) -> int:
+        slot = self._slot_of.get(pod)
+        if slot is None:
+            if self._free_slots:
+                slot = heapq.heappop(self._free_slots)
+            else:
+                slot = self._next_slot
+                self._next_slot += 1
+            self._slot_of[pod] = slot
+            self._pod_of[slot] = pod
+            self._all_pods_mask |= 1 << (2 * slot)
+        return slot
+
+    def _interned(self) -> dict[int, int]:
+        # Identical holder sets share one int object; the table of shared ints is
+        # bounded, and dropping it only loses sharing, never correctness.
+        if len(self._masks) >= _MASK_INTERN_LIMIT:
+            self._masks.clear()
+        return self._masks
+
+    # ---- writes ----------------------------------------------------------------------
+
+    def add_sync(self, pod: str, keys: Iterable[int], medium: Medium | str = "GPU") -> None:
+        slot = self._slot(pod)
+        bit = 1 << (2 * slot + _medium_offset(medium))
+        pair = 3 << (2 * slot)
+        table = self._table
+        share = self._interned().setdefault
+        spec = self._spec
+        if not isinstance(keys, list | tuple):
+            keys = list(keys)
+        if table.keys().isdisjoint(keys):
+            # The usual case, newly stored blocks: one C-level update.
+            before = len(table)
+            table.update(zip(keys, repeat(share(bit, bit))))
+            self._entries += len(table) - before
+        else:
+            added = 0
+            for key in keys:
+                old = table.pop(key, 0)  # re-inserting moves the block to the recent end
+                if not old & pair:
+                    added += 1
+                new = old | bit
+                table[key] = share(new, new)
+            self._entries += added
+        if spec and not spec.keys().isdisjoint(keys):
+            self._drop_speculative(slot, keys)  # an event confirmed them
+        if len(table) > self.capacity:
+            self._evict(len(table) - self.capacity + self._evict_chunk)
+
+    def remove_sync(self, pod: str, keys: Iterable[int], medium: Medium | str = "GPU") -> None:
+        slot = self._slot_of.get(pod)
+        if slot is None:
+            return
+        bit = 1 << (2 * slot + _medium_offset(medium))
+        pair = 3 << (2 * slot)
+        table = self._table
+        share = self._interned().setdefault
+        spec = self._spec
+        for key in keys:
+            old = table.get(key)
+            if old is not None and old & bit:
+                new = old & ~bit
+                if not new & pair:
+                    self._entries -= 1
+                if new:
+                    table[key] = share(new, new)  # keeps its recency position
+                else:
+                    del table[key]
+            if spec:
+                slots = spec.get(key)
+                if slots is not None and slots.pop(slot, None) is not None and not slots:
+                    del spec[key]
+
+    def clear_pod_sync(self, pod: str) -> None:
+        """Forgets everything about `pod` and frees its slot."""
+        slot = self._slot_of.pop(pod, None)
+        if slot is None:
+            return
+        del self._pod_of[slot]
+        self._all_pods_mask &= ~(1 << (2 * slot))
+        pair = 3 << (2 * slot)
+        keep = ~pair
+        table = self._table
+        emptied: list[int] = []
+        changed: list[tuple[int, int]] = []
+        for key, value in table.items():
+            if value & pair:
+                new = value & keep
+                if new:
+                    changed.append((key, new))
+                else:
+                    emptied.append(key)
+        share = self._interned().setdefault
+        for key, new in changed:
+            table[key] = share(new, new)
+        for key in emptied:
+            del table[key]
+        self._entries -= len(changed) + len(emptied)
+        for key in [k for k, slots in self._spec.items() if slot in slots]:
+            slots = self._spec[key]
+            del slots[slot]
+            if not slots:
+                del self._spec[key]
+        heapq.heappush(self._free_slots, slot)
+
+    def add_speculative_sync(
+        self, pod: str, keys: Sequence[int], ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
+    ) -> None:
+        now = self._clock()
+        self._expire(now)
+        slot = self._slot(pod)
+        pair = 3 << (2 * slot)
+        expiry = now + ttl_s
+        table = self._table
+        spec = self._spec
+        fresh: list[int] = []
+        for key in keys:
+            held = table.get(key, 0)
+            if held & pair:
+                # Confirmed already: the pod is about to reuse it, so it counts as used.
+                table[key] = table.pop(key)
+                continue
+            slots = spec.get(key)
+            if slots is None:
+                spec[key] = {slot: expiry}
+            else:
+                slots[slot] = expiry
+            fresh.append(key)
+        if fresh:
+            heapq.heappush(self._spec_heap, (expiry, slot, tuple(fresh)))
+
+    def _drop_speculative(self, slot: int, keys: Iterable[int]) -> None:
+        spec = self._spec
+        for key in keys:
+            slots = spec.get(key)
+            if slots is not None and slots.pop(slot, None) is not None and not slots:
+                del spec[key]
+
+    def _expire(self, now: float) -> None:
+        heap = self._spec_heap
+        spec = self._spec
+        while heap and heap[0][0] <= now:
+            _, slot, keys = heapq.heappop(heap)
+            for key in keys:
+                slots = spec.get(key)
+                # A later speculative add may have extended this entry.
+                if slots is not None and slots.get(slot, now + 1) <= now:
+                    del slots[slot]
+                    if not slots:
+                        del spec[key]
+
+    def _evict(self, count: int) -> None:
+        table = self._table
+        victims = []
+        for key in table:
+            victims.append(key)
+            if len(victims) >= count:
+                break
+        for key in victims:
+            value = table.pop(key)
+            self._entries -= _pairs_held(value)
+        self.evicted_blocks += len(victims)
+
+    # ---- reads -----------------------------------------------------------------------
+
+    def holders_sync(self, key: int) -> dict[str, Medium]:
+        """Which pods hold one block (confirmed entries only), for tests and debugging."""
+        value = self._table.get(key, 0)
+        out: dict[str, Medium] = {}
+        for slot, pod in self._pod_of.items():
+            bits = (value >> (2 * slot)) & 3
+            if bits:
+                out[pod] = "GPU" if bits & 1 else "CPU"
+        return out
+
+    def lookup_sync(
+        self, keys: Sequence[int], pods: Collection[str] | None = None
+    ) -> dict[str, PrefixHit]:
+        """Longest run of consecutive blocks from the first key, per pod (absent = 0).
+
+        The tier is the slowest one along the run: a block held on GPU counts as GPU
+        even when a CPU copy exists too.
+        """
+        if pods is None:
+            alive = self._all_pods_mask
+        else:
+            alive = 0
+            slot_of = self._slot_of
+            for pod in pods:
+                slot = slot_of.get(pod)
+                if slot is not None:
+                    alive |= 1 << (2 * slot)
+        if not alive or not keys:
+            return {}
+        table_get = self._table.get
+        first = table_get(keys[0], 0)
+        if not (first | (first >> 1)) & alive and not self._spec:
+            return {}  # the common miss, without fetching the rest
+        # Holder masks of every block, fetched in C; runs of blocks with the same
+        # holders (the usual case along a shared prefix) are then handled as one step.
+        values = list(map(table_get, keys, repeat(0)))
+        if self._spec:
+            self._merge_speculative(keys, values)
+        counts: dict[int, int] = {}
+        cpu_only = 0
+        index = 0
+        for value, run in groupby(values):
+            present = (value | (value >> 1)) & alive
+            if present != alive:
+                # Pods dropping out at the first block matched nothing: not enumerated,
+                # so a lookup does not cost O(pods in the pool).
+                dropped = alive & ~present if index else 0
+                while dropped:
+                    low = dropped & -dropped
+                    counts[(low.bit_length() - 1) >> 1] = index
+                    dropped ^= low
+                alive = present
+                if not alive:
+                    break
+            cpu_only |= (value >> 1) & ~value & alive
+            index += len(list(run))
+        while alive:
+            low = alive & -alive
+            counts[(low.bit_length() - 1) >> 1] = index
+            alive ^= low
+        pod_of = self._pod_of
+        return {
+            pod_of[slot]: PrefixHit(blocks=n, medium="CPU" if cpu_only >> (2 * slot) & 1 else "GPU")
+            for slot, n in counts.items()
+            if n
+        }
+
+    def _merge_speculative(self, keys: Sequence[int], values: list[int]) -> None:
+        now = self._clock()
+        self._expire(now)
+        spec = self._spec
+        if not spec.keys() & keys:
+            return
+        for i, key in enumerate(keys):
+            slots = spec.get(key)
+            if slots:
+                for slot, expiry in slots.items():
+                    if expiry > now:
+                        values[i] |= 1 << (2 * slot)
+
+    # ---- BlockIndex (async) ------------------------------------------------------------
+
+    async def add(self, pod: str, keys: Sequence[int], medium: Medium = "GPU") -> None:
+        self.add_sync(pod, keys, medium)
+
+    async def remove(self, pod: str, keys: Sequence[int], medium: Medium = "GPU") -> None:
+        self.remove_sync(pod, keys, medium)
+
+    async def clear_pod(self, pod: str) -> None:
+        self.clear_pod_sync(pod)
+
+    async def add_speculative(
+        self, pod: str, keys: Sequence[int], ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
+    ) -> None:
+        self.add_speculative_sync(pod, keys, ttl_s)
+
+    async def lookup(
+        self, keys: Sequence[int], pods: Collection[str] | None = None
+    ) -> dict[str, PrefixHit]:
+        return self.lookup_sync(keys, pods)
+
+
+def _pairs_held(value: int) -> int:
+    """How many pods a holder mask names (a pod with both tiers counts once)."""
+    return ((value | (value >> 1)) & _even_bits(value.bit_length())).bit_count()
+
+
+_EVEN_CACHE: dict[int, int] = {}
+
+
+def _even_bits(width: int) -> int:
+    mask = _EVEN_CACHE.get(width)
+    if mask is None:
+        mask = int("01" * ((width + 1) // 2 + 1), 2)
+        _EVEN_CACHE[width] = mask
+    return mask

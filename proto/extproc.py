@@ -1,0 +1,275 @@
+"""The protobuf boundary: builds and reads Envoy ext_proc messages.
+
+This is the one module that imports generated Envoy messages. Everything it hands out is
+either plain Python data or an opaque response object the server writes back unchanged.
+
+Responses that do not depend on the request (the "continue" replies of the response path,
+the routing replies for a given destination) are built once and kept *serialized*: the
+gRPC handler registered by `add_ext_proc_service` writes `bytes` as they are, so the hot
+path neither builds nor serializes them again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from enum import IntEnum
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2 as core
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
+EXT_PROC_FILTER_NAME = "envoy.filters.http.ext_proc"
+
+# Envoy's gRPC client copes with larger frames, but the Inference Extension settled on
+# chunks below 64 KiB so each stays inside one HTTP/2 default window update.
+STREAMED_CHUNK_BYTES = 62_000
+
+ProcessingRequest = ep.ProcessingRequest
+ProcessingResponse = ep.ProcessingResponse
+# What the server writes: a response message, or one already serialized.
+Reply = ProcessingResponse | bytes
+
+
+class BodyMode(IntEnum):
+    """Mirror of envoy.extensions.filters.http.ext_proc.v3.ProcessingMode.BodySendMode."""
+
+    NONE = 0
+    STREAMED = 1
+    BUFFERED = 2
+    BUFFERED_PARTIAL = 3
+    FULL_DUPLEX_STREAMED = 4
+    GRPC = 5
+
+
+def _serialize(message: Reply) -> bytes:
+    if type(message) is bytes:
+        return message
+    return message.SerializeToString()  # type: ignore[union-attr]
+
+
+def add_ext_proc_service(
+    server: grpc.aio.Server,
+    process: Callable[[Any, grpc.aio.ServicerContext], Any],
+) -> None:
+    """Registers `process` as the bidirectional ExternalProcessor.Process handler."""
+    handlers = {
+        "Process": grpc.stream_stream_rpc_method_handler(
+            process,
+            request_deserializer=ep.ProcessingRequest.FromString,
+            response_serializer=_serialize,
+        )
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+# ---------------------------------------------------------------- constant replies
+
+CONTINUE_REQUEST_HEADERS: bytes = ep.ProcessingResponse(
+    request_headers=ep.HeadersResponse()
+).SerializeToString()
+CONTINUE_RESPONSE_HEADERS: bytes = ep.ProcessingResponse(
+    response_headers=ep.HeadersResponse()
+).SerializeToString()
+CONTINUE_RESPONSE_BODY: bytes = ep.ProcessingResponse(
+    response_body=ep.BodyResponse()
+).SerializeToString()
+CONTINUE_REQUEST_TRAILERS: bytes = ep.ProcessingResponse(
+    request_trailers=ep.TrailersResponse()
+).SerializeToString()
+CONTINUE_RESPONSE_TRAILERS: bytes = ep.ProcessingResponse(
+    response_trailers=ep.TrailersResponse()
+).SerializeToString()
+
+_OVERWRITE = core.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def _header_option(key: str, value: str) -> core.HeaderValueOption:
+    return core.HeaderValueOption(
+        header=core.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
+    )
+
+
+def _routing_common(destination: str, extra_headers: Sequence[tuple[str, str]]) -> Any:
+    options = [_header_option(DESTINATION_HEADER, destination)]
+    options.extend(_header_option(k, v) for k, v in extra_headers)
+    # clear_route_cache: the route is chosen again now that the destination header exists,
+    # which is how the gateway config tells routed requests from fail-open ones.
+    return ep.CommonResponse(
+        header_mutation=ep.HeaderMutation(set_headers=options), clear_route_cache=True
+    )
+
+
+def _lb_metadata(destination: str) -> struct_pb2.Struct:
+    metadata = struct_pb2.Struct()
+    metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = destination
+    return metadata
+
+
+_ROUTING_CACHE_LIMIT = 4096
+_headers_phase_cache: dict[str, bytes] = {}
+_body_phase_cache: dict[str, bytes] = {}
+
+
+def _cached(cache: dict[str, bytes], destination: str, build: Callable[[], Reply]) -> bytes:
+    reply = cache.get(destination)
+    if reply is None:
+        if len(cache) >= _ROUTING_CACHE_LIMIT:
+            cache.clear()  # pools churn rarely; a full reset keeps this bounded and simple
+        reply = cache[destination] = _serialize(build())
+    return reply
+
+
+def route_in_headers_phase(
+    destination: str, extra_headers: Sequence[tuple[str, str]] = ()
+) -> Reply:
+    """The decision as the reply to the request headers (full-duplex, or bodiless requests)."""
+
+    def build() -> ProcessingResponse:
+        return ep.ProcessingResponse(
+            request_headers=ep.HeadersResponse(
+                response=_routing_common(destination, extra_headers)
+            ),
+            dynamic_metadata=_lb_metadata(destination),
+        )
+
+    if extra_headers:
+        return build()
+    return _cached(_headers_phase_cache, destination, build)
+
+
+def route_in_body_phase(destination: str, extra_headers: Sequence[tuple[str, str]] = ()) -> Reply:
+    """The decision as the reply to a buffered request body."""
+
+    def build() -> ProcessingResponse:
+        return ep.ProcessingResponse(
+            request_body=ep.BodyResponse(response=_routing_common(destination, extra_headers)),
+            dynamic_metadata=_lb_metadata(destination),
+        )
+
+    if extra_headers:
+        return build()
+    return _cached(_body_phase_cache, destination, build)
+
+
+def streamed_request_body(body: bytes, end_of_stream: bool = True) -> list[Reply]:
+    """The held request body handed back in full-duplex mode, in chunks Envoy accepts."""
+    return _streamed(body, end_of_stream, request=True)
+
+
+def streamed_response_body(chunk: bytes, end_of_stream: bool) -> list[Reply]:
+    """A response chunk passed back unchanged in full-duplex response mode."""
+    return _streamed(chunk, end_of_stream, request=False)
+
+
+def _streamed(body: bytes, end_of_stream: bool, *, request: bool) -> list[Reply]:
+    def one(chunk: bytes, last: bool) -> ProcessingResponse:
+        mutation = ep.BodyMutation(
+            streamed_response=ep.StreamedBodyResponse(body=chunk, end_of_stream=last)
+        )
+        body_response = ep.BodyResponse(response=ep.CommonResponse(body_mutation=mutation))
+        if request:
+            return ep.ProcessingResponse(request_body=body_response)
+        return ep.ProcessingResponse(response_body=body_response)
+
+    if len(body) <= STREAMED_CHUNK_BYTES:
+        return [one(body, end_of_stream)]
+    view = memoryview(body)
+    starts = range(0, len(body), STREAMED_CHUNK_BYTES)
+    last_start = starts[-1]
+    return [
+        one(bytes(view[s : s + STREAMED_CHUNK_BYTES]), end_of_stream and s == last_start)
+        for s in starts
+    ]
+
+
+_JSON_CONTENT_TYPE = [_header_option("content-type", "application/json")]
+
+
+def immediate_response(
+    status: int, body: bytes, details: str, request_id: str | None = None
+) -> ProcessingResponse:
+    """Ends the exchange with a local reply from Envoy (errors, shedding)."""
+    headers = list(_JSON_CONTENT_TYPE)
+    if request_id:
+        headers.append(_header_option("x-request-id", request_id))
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            headers=ep.HeaderMutation(set_headers=headers),
+            body=body,
+            details=details,
+        )
+    )
+
+
+# ---------------------------------------------------------------- reading requests
+
+
+def headers_of(http_headers: Any) -> dict[str, str]:
+    """Header map of an HttpHeaders message; Envoy sends values in `raw_value` bytes."""
+    result: dict[str, str] = {}
+    for header in http_headers.headers.headers:
+        raw = header.raw_value
+        result[header.key] = raw.decode("latin-1") if raw else header.value
+    return result
+
+
+def body_modes(message: ProcessingRequest) -> tuple[BodyMode, BodyMode] | None:
+    """(request, response) body modes Envoy announced on this stream's first message."""
+    if not message.HasField("protocol_config"):
+        return None
+    config = message.protocol_config
+    return BodyMode(config.request_body_mode), BodyMode(config.response_body_mode)
+
+
+def _string_values(value: struct_pb2.Value) -> list[str]:
+    kind = value.WhichOneof("kind")
+    if kind == "string_value":
+        return [s.strip() for s in value.string_value.split(",") if s.strip()]
+    if kind == "list_value":
+        out: list[str] = []
+        for item in value.list_value.values:
+            out.extend(_string_values(item))
+        return out
+    return []
+
+
+def subset_hint(message: ProcessingRequest) -> list[str] | None:
+    """Addresses the request must stay within, or None when no hint was given."""
+    if not message.HasField("metadata_context"):
+        return None
+    namespace = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if namespace is None or SUBSET_KEY not in namespace.fields:
+        return None
+    return _string_values(namespace.fields[SUBSET_KEY])
+
+
+def served_endpoint(message: ProcessingRequest) -> str | None:
+    """The endpoint that actually served the request, as the gateway reports it.
+
+    Prefers the Inference Extension's `envoy.lb` / served key; plain Envoy instead sends
+    the `upstream.address` attribute when the filter asks for it.
+    """
+    if message.HasField("metadata_context"):
+        namespace = message.metadata_context.filter_metadata.get(LB_NAMESPACE)
+        if namespace is not None and SERVED_KEY in namespace.fields:
+            values = _string_values(namespace.fields[SERVED_KEY])
+            if values:
+                return values[0]
+    attributes = message.attributes.get(EXT_PROC_FILTER_NAME)
+    if attributes is not None and UPSTREAM_ADDRESS_ATTRIBUTE in attributes.fields:
+        value = attributes.fields[UPSTREAM_ADDRESS_ATTRIBUTE]
+        if value.WhichOneof("kind") == "string_value" and value.string_value:
+            return value.string_value
+    return None

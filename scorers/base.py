@@ -1,0 +1,147 @@
+"""The three extension points of a scheduling profile — Filter, Scorer, Picker — and the
+per-request context they read.
+
+Plugins are plain objects with synchronous methods and no I/O: everything a decision
+needs (token ids, prefix matches, the current time) is gathered once per request by the
+scheduler's prepare step and handed over in `SchedulingContext`. Plugins that learn from
+routing outcomes (routing history, session stickiness, service rates) update their own
+state only in `on_routed` / `on_response`, never while scoring.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from smart_epp.epp.types import LLMRequest, PodState, Usage
+from smart_epp.kv_index.api import PrefixHit
+
+PluginKind = Literal["filter", "scorer", "picker", "profile-handler", "tokenizer"]
+
+
+class PluginParams(BaseModel):
+    """Base of every plugin's `parameters` block.
+
+    Unknown keys are kept (and reported as warnings by the config loader) rather than
+    rejected, so a config written for another endpoint picker still loads when it sets an
+    option smart-epp does not implement.
+    """
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True, frozen=True)
+
+
+@dataclass(slots=True)
+class SchedulingContext:
+    """What the prepare step learned about one request, shared by every plugin."""
+
+    request: LLMRequest
+    now: float  # the scheduler clock (monotonic seconds, or virtual time in a replay)
+    prompt_tokens: int
+    token_ids: list[int] | None = None
+    # Longest cached run per pod address, from the KV index; None when not looked up.
+    prefix_hits: Mapping[str, PrefixHit] | None = None
+    # Block size (tokens) each candidate pod uses, when known.
+    block_sizes: Mapping[str, int] = field(default_factory=dict)
+    rng: random.Random = field(default_factory=random.Random)
+    explain: bool = False  # collect per-pod components for the explain line
+    # Per-plugin scratch space: values computed while scoring that `on_routed` reuses,
+    # and per-pod extra components for the explain line.
+    scratch: dict[str, Any] = field(default_factory=dict)
+    components: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def hit_tokens(self, address: str) -> int:
+        """Prompt tokens pod `address` already holds, per the KV index."""
+        if self.prefix_hits is None:
+            return 0
+        hit = self.prefix_hits.get(address)
+        if hit is None or hit.blocks <= 0:
+            return 0
+        return min(self.prompt_tokens, hit.blocks * self.block_sizes.get(address, 0))
+
+
+class Plugin:
+    """Common base: a type name for the registry and optional outcome hooks."""
+
+    type_name: ClassVar[str]
+    kind: ClassVar[PluginKind]
+    Params: ClassVar[type[PluginParams]] = PluginParams
+    # The prepare step tokenizes / queries the KV index only when some plugin asks.
+    needs_tokens: ClassVar[bool] = False
+    needs_prefix_hits: ClassVar[bool] = False
+
+    def __init__(self, name: str, params: PluginParams) -> None:
+        self.name = name
+        self.params = params
+
+    def on_routed(self, ctx: SchedulingContext, chosen: PodState) -> None:
+        """The request was sent to `chosen`."""
+
+    def on_response(
+        self,
+        ctx: SchedulingContext,
+        address: str,
+        usage: Usage | None,
+        ttft_s: float | None,
+        ok: bool,
+        now: float,
+    ) -> None:
+        """The response from `address` ended."""
+
+
+class Filter(Plugin):
+    kind = "filter"
+
+    def filter(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[PodState]:
+        raise NotImplementedError
+
+
+class Scorer(Plugin):
+    kind = "scorer"
+
+    def score(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[float]:
+        """One score in [0, 1] per pod, in the order given (1 = best)."""
+        raise NotImplementedError
+
+
+class Picker(Plugin):
+    kind = "picker"
+
+    def pick(
+        self, ctx: SchedulingContext, pods: Sequence[PodState], scores: Sequence[float]
+    ) -> list[PodState]:
+        """The chosen pods, primary first."""
+        raise NotImplementedError
+
+
+class ProfileHandler(Plugin):
+    """Chooses which profile(s) run; smart-epp runs one profile per request."""
+
+    kind = "profile-handler"
+
+
+def min_max_inverted(values: Sequence[float]) -> list[float]:
+    """Scores 1 for the smallest value and 0 for the largest, linear in between.
+
+    This is the Inference Extension's normalisation for "less is better" signals (queue
+    length, running requests); equal values all score 1.
+    """
+    lo = min(values)
+    hi = max(values)
+    if hi <= lo:
+        return [1.0] * len(values)
+    span = hi - lo
+    return [(hi - v) / span for v in values]
+
+
+def metrics_fresh(pod: PodState, now: float, stale_after_s: float) -> bool:
+    """Whether the pod's metrics are recent enough to trust.
+
+    `scraped_at == 0` means nobody scrapes this pod (a replay feeding snapshots, or no
+    scrape yet): its metrics are whatever was set on it and are taken as they are.
+    """
+    scraped = pod.metrics.scraped_at
+    return scraped == 0.0 or now - scraped <= stale_after_s

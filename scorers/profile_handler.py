@@ -1,0 +1,15 @@
+"""single-profile-handler: accepted so Inference Extension configs load unchanged.
+
+smart-epp runs one profile per request (the first, or the one the scheduler is built
+with), which is what this handler does in the Inference Extension.
+"""
+
+from __future__ import annotations
+
+from smart_epp.epp.config import register_plugin
+from smart_epp.scorers.base import ProfileHandler
+
+
+@register_plugin()
+class SingleProfileHandler(ProfileHandler):
+    type_name = "single-profile-handler"

@@ -1,0 +1,66 @@
+"""Role filters for prefill/decode disaggregated pools (llm-d's role label).
+
+`role-filter` keeps pods whose `label` (default `llm-d.ai/role`) is `role` or `both`;
+pods without the label count as `both` when `unlabeledIsBoth` (default true).
+`prefill-filter` and `decode-filter` are llm-d's names for the two fixed roles: decode
+accepts `decode`, `both` and unlabelled pods; prefill accepts only `prefill`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import Field
+
+from smart_epp.epp.config import register_plugin
+from smart_epp.epp.types import PodState
+from smart_epp.scorers.base import Filter, PluginParams, SchedulingContext
+
+ROLE_LABEL = "llm-d.ai/role"
+BOTH = "both"
+
+
+class RoleParams(PluginParams):
+    role: str = Field(default="decode", min_length=1)
+    label: str = ROLE_LABEL
+    unlabeledIsBoth: bool = True
+
+
+def keep_role(
+    pods: Sequence[PodState], role: str, label: str, unlabeled_is_both: bool
+) -> list[PodState]:
+    out = []
+    for p in pods:
+        value = p.endpoint.label(label)
+        if value is None:
+            if unlabeled_is_both:
+                out.append(p)
+        elif value in (role, BOTH):
+            out.append(p)
+    return out
+
+
+@register_plugin()
+class RoleFilter(Filter):
+    type_name = "role-filter"
+    Params = RoleParams
+    params: RoleParams
+
+    def filter(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[PodState]:
+        return keep_role(pods, self.params.role, self.params.label, self.params.unlabeledIsBoth)
+
+
+@register_plugin()
+class DecodeFilter(Filter):
+    type_name = "decode-filter"
+
+    def filter(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[PodState]:
+        return keep_role(pods, "decode", ROLE_LABEL, unlabeled_is_both=True)
+
+
+@register_plugin()
+class PrefillFilter(Filter):
+    type_name = "prefill-filter"
+
+    def filter(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[PodState]:
+        return [p for p in pods if p.endpoint.label(ROLE_LABEL) == "prefill"]

@@ -1,0 +1,17 @@
+"""running-requests-size-scorer: fewer running requests score higher, min-max normalised."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from smart_epp.epp.config import register_plugin
+from smart_epp.epp.types import PodState
+from smart_epp.scorers.base import SchedulingContext, Scorer, min_max_inverted
+
+
+@register_plugin()
+class RunningRequestsSizeScorer(Scorer):
+    type_name = "running-requests-size-scorer"
+
+    def score(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[float]:
+        return min_max_inverted([p.metrics.running for p in pods])

@@ -1,0 +1,109 @@
+"""Session fixtures for the real-vLLM tier: the vLLM venv and two running pods.
+
+Pod A serves the tiny model plainly; pod B also serves the two LoRA adapters with room
+for one at a time. Both publish KV events (PUB + replay ROUTER) and are shared by every
+test of the session, so tests use prompts of their own and never assume an empty cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from support.net import free_port
+from vllm_pods import MODEL_DIR, PodConfig, VllmPod, ensure_vllm_python, start_pods
+
+LORA_ADAPTERS = (("lora-a", MODEL_DIR / "tiny-lora-a"), ("lora-b", MODEL_DIR / "tiny-lora-b"))
+
+# What the tier cost, shown in the terminal summary.
+_timings: dict[str, float] = {}
+_tier_seconds: list[float] = []
+_prediction_rows: list[tuple[str, str, int, int]] = []
+
+
+@dataclass(frozen=True)
+class PodPair:
+    plain: VllmPod
+    lora: VllmPod
+
+    def __iter__(self) -> Iterator[VllmPod]:
+        return iter((self.plain, self.lora))
+
+
+def pod_config(name: str, lora: bool = False) -> PodConfig:
+    return PodConfig(
+        name=name,
+        http_port=free_port(),
+        kv_port=free_port(),
+        replay_port=free_port(),
+        lora_modules=LORA_ADAPTERS if lora else (),
+    )
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    started = time.monotonic()
+    python = ensure_vllm_python()
+    _timings["set-up: venv check or install (s)"] = time.monotonic() - started
+    return python
+
+
+@pytest.fixture(scope="session")
+def vllm_pods(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodPair]:
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    pods = PodPair(
+        plain=VllmPod(pod_config("a"), vllm_python, logs),
+        lora=VllmPod(pod_config("b-lora", lora=True), vllm_python, logs),
+    )
+    started = time.monotonic()
+    start_pods(pods)
+    _timings["both pods started, concurrently (s)"] = time.monotonic() - started
+    for pod in pods:
+        _timings[f"pod {pod.config.name} memory (MiB, PSS)"] = pod.memory_bytes() / 2**20
+    try:
+        yield pods
+    finally:
+        stopped = time.monotonic()
+        for pod in pods:
+            pod.stop()
+        _timings["pods stopped (s)"] = time.monotonic() - stopped
+
+
+@pytest.fixture
+def pod_a(vllm_pods: PodPair) -> VllmPod:
+    return vllm_pods.plain
+
+
+@pytest.fixture
+def pod_b(vllm_pods: PodPair) -> VllmPod:
+    return vllm_pods.lora
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    # Set-up and teardown of the session fixtures are charged to the tests that ran them.
+    if "real_vllm" in report.keywords:
+        _tier_seconds.append(report.duration)
+
+
+@pytest.fixture(scope="session")
+def prediction_rows() -> list[tuple[str, str, int, int]]:
+    """(pod, request, cached tokens the index predicted, cached tokens vLLM reported)."""
+    return _prediction_rows
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _tier_seconds:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("real vLLM tier")
+    write(f"tier total: {sum(_tier_seconds):.1f} s")
+    for what, value in _timings.items():
+        write(f"{what}: {value:.1f}")
+    if _prediction_rows:
+        write("cached tokens, predicted by the index vs reported by vLLM:")
+        for pod, name, predicted, reported in _prediction_rows:
+            mark = "" if predicted == reported else "  <-- differs"
+            write(f"  pod {pod:7} {name:28} {predicted:5d} {reported:5d}{mark}")

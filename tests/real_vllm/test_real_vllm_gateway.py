@@ -1,0 +1,228 @@
+"""Routing through real Envoy and `epp serve` in front of the two real vLLM pods.
+
+Which pod served a request is read from the pods themselves (their finished-request
+counters), never from the gateway, so a gateway that merely claims to route well fails.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from support.envoy import EnvoyProcess, running_envoy
+from support.net import free_port, wait_until
+from vllm_pods import (
+    BLOCK_SIZE,
+    SERVED_MODEL,
+    VllmPod,
+    completion_body,
+    die_with_parent,
+    stop_process_group,
+    unique_prompt,
+    wait_healthy,
+)
+
+pytestmark = [pytest.mark.real_vllm, pytest.mark.envoy]
+
+EPP = [sys.executable, "-c", "from smart_epp.epp.cli import main; main()"]
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def finished_requests(pod: VllmPod) -> float:
+    return metric_sum(pod.get_text("/metrics"), "vllm:request_success_total")
+
+
+@dataclass
+class Gateway:
+    envoy: EnvoyProcess
+    metrics_url: str
+    pods: tuple[VllmPod, ...]
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
+            return resp.read().decode()
+
+    def stored_blocks(self, *pods: VllmPod) -> float:
+        page = self.metrics()
+        return sum(
+            metric_sum(
+                page, "smart_epp_kv_block_hashes_total", pod=p.config.address, action="stored"
+            )
+            for p in pods
+        )
+
+    def restarts(self, pod: VllmPod) -> float:
+        return metric_sum(self.metrics(), "smart_epp_kv_pod_restarts_total", pod=pod.config.address)
+
+    def wait_learned(self, pods: tuple[VllmPod, ...], before: float, blocks: int) -> None:
+        wait_until(
+            lambda: self.stored_blocks(*pods) >= before + blocks,
+            timeout=30,
+            what=f"the gateway to learn {blocks} new blocks",
+        )
+
+    def post(self, path: str, body: dict) -> tuple[int, dict]:
+        request = urllib.request.Request(
+            f"{self.envoy.url}{path}",
+            data=json.dumps(body).encode(),
+            headers={"content-type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, {"error": exc.read()[:2000].decode(errors="replace")}
+
+    def post_and_find_pod(self, path: str, body: dict) -> VllmPod:
+        """Sends through Envoy; returns the pod whose finished-request count rose."""
+        before = [finished_requests(p) for p in self.pods]
+        status, response = self.post(path, body)
+        assert status == 200, response
+        after: list[float] = []
+
+        def counted() -> bool:
+            after[:] = [finished_requests(p) for p in self.pods]
+            return sum(after) > sum(before)
+
+        wait_until(counted, timeout=30, what="the request to be counted by a pod")
+        (served,) = [p for p, b, a in zip(self.pods, before, after, strict=True) if a > b]
+        return served
+
+    def send_direct_and_wait_learned(self, pod: VllmPod, body: dict) -> dict:
+        """Sends straight to `pod`, then waits until the gateway ingested the new blocks."""
+        before = self.stored_blocks(pod)
+        response = pod.post_json("/v1/completions", body)
+        self.wait_learned((pod,), before, new_full_blocks(response))
+        return response
+
+
+def new_full_blocks(response: dict) -> int:
+    """Full prompt blocks the pod computed (and so published) for this response."""
+    usage = response["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"] or 0
+    return usage["prompt_tokens"] // BLOCK_SIZE - cached // BLOCK_SIZE
+
+
+@pytest.fixture(scope="module")
+def gateway(vllm_pods, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    workdir = tmp_path_factory.mktemp("gateway")
+    endpoints = workdir / "endpoints.yaml"
+    entries = [
+        {
+            "address": pod.config.address,
+            "kv_events": pod.config.kv_endpoint,
+            "kv_replay": pod.config.replay_endpoint,
+            "labels": {"model": SERVED_MODEL},
+        }
+        for pod in vllm_pods
+    ]
+    endpoints.write_text(yaml.safe_dump({"endpoints": entries}))
+    grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
+    log_path = workdir / "epp.log"
+    command = [
+        *die_with_parent(), *EPP, "serve",
+        "--grpc-port", str(grpc_port),
+        "--health-port", str(health_port),
+        "--metrics-port", str(metrics_port),
+        "--endpoints-file", str(endpoints),
+    ]  # fmt: skip
+    with log_path.open("wb") as log:
+        epp = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+
+    def epp_up() -> bool:
+        assert epp.poll() is None, log_path.read_text(errors="replace")[-4000:]
+        try:
+            urllib.request.urlopen(metrics_url, timeout=1).close()
+        except OSError:
+            return False
+        return True
+
+    try:
+        wait_until(epp_up, timeout=30, what="epp serve to answer on its metrics port")
+        with running_envoy(epp_port=grpc_port, body_mode="buffered") as envoy:
+            wait_until(envoy.epp_healthy, timeout=30, what="Envoy to see epp healthy")
+            yield Gateway(envoy, metrics_url, tuple(vllm_pods))
+    finally:
+        stop_process_group(epp, grace_s=10)
+
+
+def shared_prefix_pair(tag: str) -> tuple[str, str]:
+    prefix = unique_prompt(tag, words=400)
+    return prefix + " direct tail", prefix + " routed tail"
+
+
+@pytest.mark.parametrize("holder", ["plain", "lora"])
+def test_request_sharing_a_prefix_goes_to_the_pod_holding_it(
+    gateway: Gateway, vllm_pods, holder: str
+) -> None:
+    pod: VllmPod = getattr(vllm_pods, holder)
+    direct, routed = shared_prefix_pair(f"route-{holder}")
+    gateway.send_direct_and_wait_learned(pod, completion_body(direct, max_tokens=4))
+    served = gateway.post_and_find_pod("/v1/completions", completion_body(routed, 4))
+    assert served is pod
+
+
+def test_lora_request_goes_to_the_pod_serving_the_adapter(gateway: Gateway, pod_b: VllmPod) -> None:
+    for adapter in ("lora-a", "lora-b", "lora-a"):
+        body = completion_body(unique_prompt("lora-route"), max_tokens=2, model=adapter)
+        assert gateway.post_and_find_pod("/v1/completions", body) is pod_b
+
+
+def test_chat_follow_up_reuses_the_cache_its_first_turn_left(gateway: Gateway) -> None:
+    system = unique_prompt("chat-route", words=300)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "one"}]
+    first = {"model": SERVED_MODEL, "messages": messages, "max_tokens": 4, "temperature": 0}
+    before = gateway.stored_blocks(*gateway.pods)
+    status, response = gateway.post("/v1/chat/completions", first)
+    assert status == 200, response
+    gateway.wait_learned(gateway.pods, before, new_full_blocks(response))
+    second = {**first, "messages": [messages[0], {"role": "user", "content": "two"}]}
+    status, response = gateway.post("/v1/chat/completions", second)
+    assert status == 200, response
+    # Only the pod that served the first turn holds the system prompt: a follow-up sent
+    # anywhere else would report nothing reused.
+    shared_blocks = len(system) // 8 // BLOCK_SIZE  # a safe lower bound on the tokens
+    assert response["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared_blocks * BLOCK_SIZE
+
+
+def test_restarted_pod_is_forgotten_and_routing_continues(
+    gateway: Gateway, pod_a: VllmPod, pod_b: VllmPod
+) -> None:
+    prefix = unique_prompt("restart", words=400)
+    gateway.send_direct_and_wait_learned(pod_a, completion_body(prefix + " before", 4))
+    restarts = gateway.restarts(pod_a)
+
+    pod_a.stop()
+    pod_a.start()
+    wait_healthy([pod_a])
+    # vLLM says nothing at shutdown; its first batch after the restart (sequence back at
+    # 0) is what tells the gateway that everything it knew about the pod is gone.
+    gateway.send_direct_and_wait_learned(pod_a, completion_body(unique_prompt("fresh"), 2))
+    wait_until(lambda: gateway.restarts(pod_a) > restarts, timeout=30, what="restart detected")
+
+    # Pod B now holds half of the prefix; the restarted pod A holds none of it any more,
+    # though before the restart it held all of it.
+    gateway.send_direct_and_wait_learned(pod_b, completion_body(prefix[: len(prefix) // 2], 2))
+    assert gateway.post_and_find_pod("/v1/completions", completion_body(prefix, 4)) is pod_b
+    for _ in range(4):
+        code, body = gateway.post("/v1/completions", completion_body(unique_prompt("after"), 2))
+        assert code == 200, body

@@ -1,0 +1,56 @@
+"""The process handling the real-vLLM tier relies on to never leave a pod running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.net import wait_until
+from vllm_pods import die_with_parent, group_members, stop_process_group
+
+pytestmark = pytest.mark.real_vllm
+
+# A parent that ignores SIGTERM and two children, like a server that hangs on shutdown.
+STUBBORN_TREE = "trap '' TERM; sleep 300 & sleep 300 & wait"
+
+
+def test_stop_process_group_ends_the_whole_tree_even_when_sigterm_is_ignored() -> None:
+    tree = subprocess.Popen(["bash", "-c", STUBBORN_TREE], start_new_session=True)
+    wait_until(lambda: len(group_members(tree.pid)) == 3, what="the tree to start")
+    stop_process_group(tree, grace_s=0.5)
+    assert tree.returncode == -signal.SIGKILL
+    assert group_members(tree.pid) == []
+
+
+@pytest.mark.skipif(not die_with_parent(), reason="setpriv (util-linux) is not installed")
+def test_process_started_by_a_killed_parent_dies_with_it(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    parent_code = (
+        "import subprocess, sys, time;"
+        f"child = subprocess.Popen({[*die_with_parent(), 'sleep', '300']!r});"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid));"
+        "time.sleep(300)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code])
+    wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", what="the child")
+    child = int(pid_file.read_text())
+    parent.kill()  # no handler, no atexit: only the parent-death signal can stop the child
+    parent.wait()
+
+    def child_gone() -> bool:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return True
+        # A zombie waiting for init to reap it is gone too.
+        try:
+            stat = Path(f"/proc/{child}/stat").read_text()
+        except FileNotFoundError:
+            return True
+        return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+    wait_until(child_gone, timeout=10, what="the orphaned child to exit")

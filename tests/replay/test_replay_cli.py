@@ -1,0 +1,147 @@
+"""`epp replay` end to end in sim mode: flags, JSON schema, plots, determinism, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from support.paths import MOONCAKE_TRACE
+
+from smart_epp.benchmarks.replay.arrivals import (
+    ladder_arrivals,
+    parse_ladder,
+    poisson_arrivals,
+    scaled_arrivals,
+    stage_times,
+)
+from smart_epp.benchmarks.replay.traces import TraceRequest
+from smart_epp.epp.cli import build_parser
+
+SUMMARY_KEYS = {
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "tpot_p50_s",
+    "e2e_p50_s",
+    "output_tok_per_s",
+    "completed",
+    "failed",
+    "prefix_hit_rate",
+    "load_imbalance",
+}
+
+
+def _replay(argv: list[str]) -> int:
+    args = build_parser().parse_args(["replay", *argv])
+    return args.func(args)
+
+
+def _workload_yaml(tmp_path: Path) -> Path:
+    path = tmp_path / "sp.yaml"
+    path.write_text(
+        "num_groups: 6\nnum_prompts_per_group: 5\nsystem_prompt_len: 480\n"
+        "question_len: 40\noutput_len: 6\n"
+    )
+    return path
+
+
+def test_sim_mode_writes_schema_table_and_plots(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    rc = _replay(
+        [
+            "--trace", str(MOONCAKE_TRACE), "--format", "mooncake", "--limit", "60",
+            "--pods", "4", "--speedup", "4", "--policy", "default", "round-robin",
+            "--policy", "llmd-precise", "oracle", "--out", str(out), "--seed", "3",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    doc = json.loads((out / "replay_mooncake_synthetic_trace.json").read_text())
+    assert doc["trace"] == str(MOONCAKE_TRACE)
+    assert doc["pods"] == 4 and doc["profile"] == "h100-llama3-8b"
+    assert list(doc["policies"]) == ["default", "round-robin", "llmd-precise", "oracle"]
+    for summary in doc["policies"].values():
+        assert set(summary) == SUMMARY_KEYS
+        assert summary["completed"] == 60 and summary["failed"] == 0
+        assert summary["ttft_p50_s"] <= summary["ttft_p90_s"] <= summary["ttft_p99_s"]
+    assert 0 < doc["infinite_cache_prefix_hit_rate"] < 1
+    assert (out / "replay_mooncake_synthetic_trace_ttft_cdf.png").stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert "TTFT p90" in printed and "llmd-precise" in printed
+
+
+def test_same_seed_same_json_for_the_real_scheduler(tmp_path: Path) -> None:
+    trace = _workload_yaml(tmp_path)
+    docs = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        rc = _replay(
+            [
+                "--trace", str(trace), "--qps", "20", "--pods", "3", "--seed", "5",
+                "--policy", "default", "gie-default", "random", "--out", str(out), "--no-plots",
+            ]
+        )  # fmt: skip
+        assert rc == 0
+        doc = json.loads((out / "replay_sp.json").read_text())
+        assert set(doc.pop("sim_wall_s")) == {"default", "gie-default", "random"}
+        docs.append(doc)
+    assert docs[0] == docs[1]
+
+
+def test_ladder_reports_each_stage_and_plots(tmp_path: Path) -> None:
+    trace = _workload_yaml(tmp_path)
+    out = tmp_path / "lad"
+    rc = _replay(
+        [
+            "--trace", str(trace), "--ladder", "2,8", "--stage-duration", "5", "--pods", "2",
+            "--policy", "round-robin", "oracle", "--out", str(out), "--name", "lad",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    doc = json.loads((out / "lad.json").read_text())
+    assert set(doc["ladder"]) == {"round-robin", "oracle"}
+    for stages in doc["ladder"].values():
+        assert list(stages) == ["2", "8"]
+        assert stages["2"]["completed"] == 10 and stages["8"]["completed"] == 40
+    assert (out / "lad_ttft_p90_vs_qps.png").exists()
+
+
+def test_bad_inputs_are_clear_errors(tmp_path: Path, capsys) -> None:
+    trace = _workload_yaml(tmp_path)
+    assert _replay(["--trace", str(trace), "--out", str(tmp_path)]) == 2
+    assert "--qps" in capsys.readouterr().out
+    assert _replay(["--trace", str(tmp_path / "nope.jsonl")]) == 2
+    assert "no such file" in capsys.readouterr().out
+    assert _replay(["--trace", str(trace), "--qps", "1", "--policy", "magic"]) == 2
+    assert "unknown policy" in capsys.readouterr().out
+    assert _replay(["--trace", str(trace), "--qps", "1", "--mode", "live"]) == 2
+    assert "--target" in capsys.readouterr().out
+
+
+def _req(i: int, ts: float) -> TraceRequest:
+    return TraceRequest(index=i, timestamp_s=ts, output_tokens=1, segments=([1],))
+
+
+def test_speedup_spreads_requests_that_share_a_bucket() -> None:
+    reqs = [_req(0, 0.0), _req(1, 0.0), _req(2, 0.0), _req(3, 3.0), _req(4, 6.0)]
+    assert scaled_arrivals(reqs, 1.0) == [0.0, 1.0, 2.0, 3.0, 6.0]
+    assert scaled_arrivals(reqs, 2.0) == [0.0, 0.5, 1.0, 1.5, 3.0]
+    # The last bucket has no next timestamp: it spreads over the typical gap.
+    tail = [_req(0, 0.0), _req(1, 3.0), _req(2, 3.0)]
+    assert scaled_arrivals(tail, 1.0) == [0.0, 3.0, 6.0]
+    with pytest.raises(ValueError):
+        scaled_arrivals(reqs, 0)
+
+
+def test_poisson_and_ladder_rates() -> None:
+    times = poisson_arrivals(4000, 10.0, seed=1)
+    assert times == sorted(times)
+    assert times[-1] / len(times) == pytest.approx(0.1, rel=0.05)
+    assert poisson_arrivals(10, 10.0, seed=1) == times[:10]
+    stages = ladder_arrivals(parse_ladder("2, 4,8"), 10.0)
+    assert [len(s.requests) for s in stages] == [20, 40, 80]
+    assert [s.start_s for s in stages] == [0.0, 10.0, 20.0]
+    t = stage_times(stages, seed=0)
+    assert len(t) == 140 and all(10.0 <= x for x in t[20:60])
+    with pytest.raises(ValueError):
+        parse_ladder("2,x")

