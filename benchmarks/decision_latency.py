@@ -104,7 +104,19 @@ def text_request(base_text: str, rng: random.Random) -> LLMRequest:
 
 
 def long_text(tokenizer: LocalTokenizer, target_tokens: int, rng: random.Random) -> str:
-    words = "route prefix cache token pod queue batch gateway model stream latency".split()
+    words = [
+        "route",
+        "prefix",
+        "cache",
+        "token",
+        "pod",
+        "queue",
+        "batch",
+        "gateway",
+        "model",
+        "stream",
+        "latency",
+    ]
     text = " ".join(rng.choice(words) for _ in range(target_tokens))
     while len(tokenizer.encode(text, add_special_tokens=True)) > target_tokens:
         text = text[: int(len(text) * 0.95)]
@@ -139,7 +151,7 @@ async def measure(
 
 async def run(pod_counts: list[int], iterations: int, seed: int) -> dict:
     rng = random.Random(seed)
-    tokenizer = LocalTokenizer.from_model_dir(TINY_MODEL, cache_size=16)
+    tokenizer = LocalTokenizer.from_model_dir(TINY_MODEL)
     prompt = [rng.randrange(0, 700) for _ in range(PROMPT_TOKENS)]
     base_text = long_text(tokenizer, PROMPT_TOKENS - 16, rng)
     results: dict = {
@@ -169,9 +181,7 @@ async def run(pod_counts: list[int], iterations: int, seed: int) -> dict:
         }
         for name in CONFIGS:
             scheduler = build_scheduler(name, index=index, tokenizer=tokenizer, seed=seed)
-            plain = await measure(
-                scheduler, pods, lambda: token_request(prompt, rng), iterations
-            )
+            plain = await measure(scheduler, pods, lambda: token_request(prompt, rng), iterations)
             tokenized = await measure(
                 scheduler, pods, lambda: text_request(base_text, rng), iterations
             )

@@ -28,8 +28,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,7 +143,9 @@ async def run_sequential(port: int, pairs: int) -> tuple[list[float], list[float
     return direct_times, epp_times
 
 
-async def run_concurrent(port: int, bypass: bool, total: int, concurrency: int) -> tuple[list[float], float]:
+async def run_concurrent(
+    port: int, bypass: bool, total: int, concurrency: int
+) -> tuple[list[float], float]:
     connections = [Connection(port, bypass) for _ in range(concurrency)]
     await asyncio.gather(*(c.open() for c in connections))
     remaining = total
@@ -253,10 +254,8 @@ def breakdown(iterations: int) -> dict[str, float]:
 
     def schedule() -> None:
         coroutine = scheduler.schedule(request, candidates)
-        try:
+        with suppress(StopIteration):
             coroutine.send(None)
-        except StopIteration:
-            pass
 
     request = parse_request("/v1/completions", px.headers_of(message.request_headers), BODY, "r")
 
@@ -287,18 +286,67 @@ def breakdown(iterations: int) -> dict[str, float]:
         "build_decision_replies_us": per_call_us(
             lambda: (
                 px.route_in_headers_phase("10.0.0.1:8000"),
-                px.streamed_request_body(BODY)[0].SerializeToString(),
+                px.streamed_request_body(BODY),
             )
         ),
         "whole_exchange_without_grpc_us": round(whole, 2),
     }
 
 
+# ------------------------------------------------------------------ the transport's floor
+
+
+def serve_floor(port: int, destination: str) -> None:
+    """A do-nothing processor on the same gRPC stack: routes every request to one
+    destination with prebuilt replies, parses nothing, counts nothing. Its CPU per
+    request is what grpc.aio and the event loop cost before any of epp's own work."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from smart_epp.proto import extproc as px
+
+    route = px.route_in_headers_phase(destination)
+
+    async def process(requests: object, context: grpc.aio.ServicerContext) -> None:
+        parts: list[bytes] = []
+        async for message in requests:  # type: ignore[attr-defined]
+            kind = message.WhichOneof("request")
+            if kind == "request_body":
+                parts.append(message.request_body.body)
+                if message.request_body.end_of_stream:
+                    await context.write(route)
+                    for reply in px.streamed_request_body(b"".join(parts)):
+                        await context.write(reply)
+            elif kind == "response_body":
+                await context.write(px.CONTINUE_RESPONSE_BODY)
+            elif kind == "response_headers":
+                await context.write(px.CONTINUE_RESPONSE_HEADERS)
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        px.add_ext_proc_service(server, process)
+        checks = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await checks.set(px.SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        await server.wait_for_termination()
+
+    from smart_epp.epp.serve_cmd import run_event_loop
+
+    run_event_loop(main())
+
+
 # ------------------------------------------------------------------ the run
 
 
 def measure_mode(
-    body_mode: str, epp_port: int, epp_pid: int, backend: str, args: argparse.Namespace, workdir: Path
+    body_mode: str,
+    epp_port: int,
+    epp_pid: int,
+    backend: str,
+    args: argparse.Namespace,
+    workdir: Path,
 ) -> dict[str, object]:
     sys.path.insert(0, str(REPO / "tests"))
     from smart_epp.epp.envoy_cmd import EnvoyOptions, envoy_command, render_envoy_config
@@ -336,16 +384,12 @@ def measure_mode(
             direct_wall = epp_wall = epp_cpu = envoy_cpu_epp = envoy_cpu_direct = 0.0
             for _ in range(args.rounds):  # alternate phases, pooled
                 before = cpu_seconds(envoy.pid)
-                times, wall = await run_concurrent(
-                    listen, True, args.concurrent, args.concurrency
-                )
+                times, wall = await run_concurrent(listen, True, args.concurrent, args.concurrency)
                 envoy_cpu_direct += cpu_seconds(envoy.pid) - before
                 direct_conc += times
                 direct_wall += wall
                 before_epp, before_envoy = cpu_seconds(epp_pid), cpu_seconds(envoy.pid)
-                times, wall = await run_concurrent(
-                    listen, False, args.concurrent, args.concurrency
-                )
+                times, wall = await run_concurrent(listen, False, args.concurrent, args.concurrency)
                 epp_cpu += cpu_seconds(epp_pid) - before_epp
                 envoy_cpu_epp += cpu_seconds(envoy.pid) - before_envoy
                 epp_conc += times
@@ -383,7 +427,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--body-modes", default="full-duplex,buffered")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="a short run, for a smoke check")
+    parser.add_argument("--serve-floor", nargs=2, metavar=("PORT", "DEST"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.serve_floor:
+        serve_floor(int(args.serve_floor[0]), args.serve_floor[1])
+        return 0
     if args.quick:
         args.sequential, args.concurrent, args.rounds, args.warmup = 100, 300, 1, 50
 
@@ -415,31 +463,45 @@ def main(argv: list[str] | None = None) -> int:
                 workdir / "backend.log",
             )
         )
-        epp = stack.enter_context(
-            process(
-                [sys.executable, "-c", "from smart_epp.epp.cli import main; main()", "serve",
+        serve = [sys.executable, "-c", "from smart_epp.epp.cli import main; main()", "serve",
                  "--endpoint", backend, "--grpc-port", str(grpc_port),
                  "--health-port", str(health_port), "--metrics-port", str(metrics_port),
-                 "--log-level", "warning"],
-                workdir / "epp.log",
-            )  # fmt: skip
-        )
+                 "--log-level", "warning"]  # fmt: skip
+        epp = stack.enter_context(process(serve, workdir / "epp.log"))
         wait_for(lambda: port_open(backend_port) and port_open(grpc_port), 30, "backend and epp")
         modes = {}
         for body_mode in args.body_modes.split(","):
             print(f"measuring {body_mode} ...", file=sys.stderr)
             modes[body_mode] = measure_mode(body_mode, grpc_port, epp.pid, backend, args, workdir)
         results["body_modes"] = modes
+        print("measuring the do-nothing processor ...", file=sys.stderr)
+        floor_port = free_port()
+        floor = stack.enter_context(
+            process(
+                [sys.executable, "-m", "smart_epp.benchmarks.extproc_overhead",
+                 "--serve-floor", str(floor_port), backend],
+                workdir / "floor.log",
+            )
+        )  # fmt: skip
+        wait_for(lambda: port_open(floor_port), 30, "do-nothing processor")
+        results["do_nothing_processor_full_duplex"] = measure_mode(
+            "full-duplex", floor_port, floor.pid, backend, args, workdir
+        )
 
     print("in-process breakdown ...", file=sys.stderr)
     parts = breakdown(2000 if args.quick else 20000)
     results["epp_work_breakdown_us_per_request"] = parts
     reference = modes.get("full-duplex") or next(iter(modes.values()))
     cpu_per_request = float(reference["epp_cpu_us_per_request"])  # type: ignore[arg-type]
+    own_work = parts["whole_exchange_without_grpc_us"]
+    floor_cpu = results["do_nothing_processor_full_duplex"]["epp_cpu_us_per_request"]  # type: ignore[index]
     results["where_the_time_goes"] = {
         "epp_cpu_us_per_request": cpu_per_request,
-        "epp_own_work_us": parts["whole_exchange_without_grpc_us"],
-        "grpc_and_event_loop_us": round(cpu_per_request - parts["whole_exchange_without_grpc_us"], 1),
+        "epp_own_work_us_in_process": own_work,
+        "grpc_and_event_loop_us": round(cpu_per_request - own_work, 1),
+        "do_nothing_processor_cpu_us_per_request": floor_cpu,
+        "note": "CPU per request of epp vs a processor that does nothing on the same gRPC "
+        "stack (grpc.aio on uvloop); epp's own work is the in-process exchange without gRPC",
     }
     concurrent = reference[f"concurrent_{args.concurrency}"]  # type: ignore[index]
     results["verdict"] = {

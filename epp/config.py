@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.resources
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -36,7 +36,7 @@ _REGISTRY: dict[str, type[Plugin]] = {}
 P = TypeVar("P", bound=type[Plugin])
 
 
-def register_plugin(*aliases: str):
+def register_plugin(*aliases: str) -> Callable[[P], P]:
     """Class decorator: registers a plugin under its `type_name` and any aliases."""
 
     def wrap(cls: P) -> P:
@@ -190,8 +190,7 @@ def validate_config(
     except ValidationError as exc:
         for err in exc.errors():
             issues.append((tuple(err["loc"]), err["msg"]))
-        _raise(source, root, issues)
-        raise AssertionError("unreachable") from exc
+        raise _error(source, root, issues) from exc
 
     registry = plugin_types()
     loaded = LoadedConfig(config=config, source=source)
@@ -237,18 +236,17 @@ def validate_config(
     for p, name in enumerate(names):
         if names.index(name) != p:
             issues.append((("schedulingProfiles", p, "name"), f"duplicate profile name {name!r}"))
-    _raise(source, root, issues)
+    if issues:
+        raise _error(source, root, issues)
     return loaded
 
 
-def _raise(source: str, root: yaml.Node | None, issues: list[tuple[Loc, str]]) -> None:
-    if not issues:
-        return
+def _error(source: str, root: yaml.Node | None, issues: list[tuple[Loc, str]]) -> ConfigError:
     out = []
     for loc, msg in issues:
         line, col = _locate(root, loc)
         out.append(ConfigIssue(_format_loc(loc), msg, line, col))
-    raise ConfigError(source, out)
+    return ConfigError(source, out)
 
 
 def load_config_file(path: str | Path) -> LoadedConfig:

@@ -63,6 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # ------------------------------------------------------------------------------ processes
 
 
+class StartupError(RuntimeError):
+    """A demo process did not come up; the message carries the end of its log."""
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -127,6 +131,9 @@ class ProcessGroup:
             )
         managed = ManagedProcess(name, proc, log_path)
         self.processes.append(managed)
+        # Written down so an operator (or a test) can check that nothing outlives the demo.
+        with (self.workdir / "pids.txt").open("a") as pids:
+            pids.write(f"{name} {proc.pid}\n")
         return managed
 
     def stop_all(self, timeout_s: float = 5.0) -> None:
@@ -145,10 +152,6 @@ class ProcessGroup:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-
-
-class StartupError(RuntimeError):
-    pass
 
 
 def wait_for(

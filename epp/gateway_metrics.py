@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -40,6 +42,19 @@ class _ReadyPods(Collector):
         )
         family.add_metric([self._pool_name], self._count())
         yield family
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectiveMetrics:
+    """The labelled children for one (model, target model), looked up once."""
+
+    requests: Any
+    duration: Any
+    input_tokens: Any
+    output_tokens: Any
+
+
+_OBJECTIVE_CACHE_LIMIT = 10_000
 
 
 class GatewayMetrics:
@@ -92,6 +107,23 @@ class GatewayMetrics:
         )
         r.register(_ReadyPods(pool_name, ready_pods))
         self._http: tuple[WSGIServer, threading.Thread] | None = None
+        self._objectives: dict[tuple[str, str], ObjectiveMetrics] = {}
+
+    def objective(self, model: str, target: str) -> ObjectiveMetrics:
+        """Per-request metrics of a model; the label lookup is cached (it costs
+        microseconds per call on the hot path otherwise)."""
+        key = (model, target)
+        found = self._objectives.get(key)
+        if found is None:
+            found = ObjectiveMetrics(
+                self.requests.labels(model, target),
+                self.duration.labels(model, target),
+                self.input_tokens.labels(model, target),
+                self.output_tokens.labels(model, target),
+            )
+            if len(self._objectives) < _OBJECTIVE_CACHE_LIMIT:
+                self._objectives[key] = found
+        return found
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Exposes /metrics on `port` (0 picks one); returns the bound port."""

@@ -81,7 +81,7 @@ def parse_request(
         cache_salt=_optional_str(document, "cache_salt"),
         max_tokens=_max_tokens(document),
         session_id=session_id,
-        headers=dict(headers),
+        headers=headers if isinstance(headers, dict) else dict(headers),
         body=body,
     )
     if api is Api.COMPLETIONS:

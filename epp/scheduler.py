@@ -19,12 +19,14 @@ import inspect
 import logging
 import random
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from prometheus_client import Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 
 from smart_epp.epp.config import LoadedConfig, PluginSet, Profile, instantiate, load_config
 from smart_epp.epp.tokenization import (
@@ -44,17 +46,49 @@ _BUCKETS = (
     0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005,
     0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
 )  # fmt: skip
-E2E_DURATION = Histogram(
-    "inference_extension_scheduler_e2e_duration_seconds",
-    "Time to make one scheduling decision, prepare step included",
-    buckets=_BUCKETS,
+E2E_NAME = "inference_extension_scheduler_e2e_duration_seconds"
+PLUGIN_NAME = "inference_extension_plugin_duration_seconds"
+
+
+@dataclass(slots=True)
+class SchedulerMetrics:
+    """The scheduler's histograms in one registry (created once per registry)."""
+
+    plugin: Histogram
+    e2e: Histogram | None = None
+
+
+_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, SchedulerMetrics] = (
+    weakref.WeakKeyDictionary()
 )
-PLUGIN_DURATION = Histogram(
-    "inference_extension_plugin_duration_seconds",
-    "Time spent in one scheduling plugin (or prepare stage) per request",
-    ["extension_point", "plugin_type", "plugin_name"],
-    buckets=_BUCKETS,
-)
+
+
+def scheduler_metrics(
+    registry: CollectorRegistry = REGISTRY, *, record_e2e: bool = True
+) -> SchedulerMetrics:
+    """Histograms for `registry`. Pass `record_e2e=False` when the registry already has an
+    e2e histogram of its own (the gateway server times the whole scheduling call)."""
+    found = _METRICS.get(registry)
+    if found is None:
+        found = SchedulerMetrics(
+            plugin=Histogram(
+                PLUGIN_NAME,
+                "Time spent in one scheduling plugin (or prepare stage) per request",
+                ["extension_point", "plugin_type", "plugin_name"],
+                buckets=_BUCKETS,
+                registry=registry,
+            )
+        )
+        _METRICS[registry] = found
+    if record_e2e and found.e2e is None:
+        found.e2e = Histogram(
+            E2E_NAME,
+            "Time to make one scheduling decision, prepare step included",
+            buckets=_BUCKETS,
+            registry=registry,
+        )
+    return found
+
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's GPU default; pods that report theirs override it
 MAX_TRACKED_REQUESTS = 100_000  # decisions awaiting on_response; oldest dropped beyond
@@ -161,6 +195,7 @@ class PipelineScheduler:
         seed: int | None = None,
         explain: bool | None = None,
         fallbacks: int = 0,
+        metrics: SchedulerMetrics | None = None,
     ) -> None:
         self.plugins = plugins
         self.fallbacks = fallbacks
@@ -178,11 +213,14 @@ class PipelineScheduler:
         self.needs_tokens = any(p.needs_tokens for p in active)
         self.needs_prefix_hits = any(p.needs_prefix_hits for p in active)
         self._contexts: OrderedDict[str, SchedulingContext] = OrderedDict()
+        metrics = metrics or scheduler_metrics()
+        plugin_timer = metrics.plugin
+        self._e2e = metrics.e2e
         self._timers = {
-            id(p): PLUGIN_DURATION.labels(p.kind.capitalize(), p.type_name, p.name) for p in active
+            id(p): plugin_timer.labels(p.kind.capitalize(), p.type_name, p.name) for p in active
         }
-        self._tokenize_timer = PLUGIN_DURATION.labels("Prepare", "tokenize", "tokenize")
-        self._match_timer = PLUGIN_DURATION.labels("Prepare", "prefix-match", "prefix-match")
+        self._tokenize_timer = plugin_timer.labels("Prepare", "tokenize", "tokenize")
+        self._match_timer = plugin_timer.labels("Prepare", "prefix-match", "prefix-match")
 
     @staticmethod
     def _choose_profile(profiles: Sequence[Profile], name: str | None) -> Profile:
@@ -232,7 +270,10 @@ class PipelineScheduler:
         ctx = self._context(request, candidates)
         if self.needs_tokens and ctx.token_ids is None and self.tokenizer is not None:
             start = time.perf_counter()
-            ctx.token_ids = await self.tokenizer.tokenize(request, candidates)
+            try:
+                ctx.token_ids = await self.tokenizer.tokenize(request, candidates)
+            except Exception:  # no token ids means no cache information, never a 5xx
+                log.exception("tokenization failed; scheduling without cache information")
             self._tokenize_timer.observe(time.perf_counter() - start)
         self._count_prompt(ctx)
         if self.needs_prefix_hits and ctx.token_ids and self.prefix_matcher is not None:
@@ -270,7 +311,8 @@ class PipelineScheduler:
         start = time.perf_counter()
         ctx = await self.prepare(request, candidates)
         decision = self.decide(ctx, candidates)
-        E2E_DURATION.observe(time.perf_counter() - start)
+        if self._e2e is not None:
+            self._e2e.observe(time.perf_counter() - start)
         return decision
 
     def schedule_sync(
@@ -283,7 +325,8 @@ class PipelineScheduler:
         start = time.perf_counter()
         ctx = self.prepare_sync(request, candidates, prefix_hits)
         decision = self.decide(ctx, candidates)
-        E2E_DURATION.observe(time.perf_counter() - start)
+        if self._e2e is not None:
+            self._e2e.observe(time.perf_counter() - start)
         return decision
 
     def decide(self, ctx: SchedulingContext, candidates: Sequence[PodState]) -> Decision:
@@ -382,6 +425,12 @@ class PipelineScheduler:
         chosen = decision.endpoints[0]
         for plugin in self.active_plugins:
             plugin.on_routed(ctx, chosen)
+        # Only the request itself is needed until its response: drop the token ids, index
+        # matches and per-pod scratch so thousands of requests in flight stay cheap.
+        ctx.token_ids = None
+        ctx.prefix_hits = None
+        ctx.scratch.clear()
+        ctx.components.clear()
 
     def on_response(
         self,
@@ -409,7 +458,7 @@ class PipelineScheduler:
 # --------------------------------------------------------------------------- construction
 
 
-def tokenizer_from_config(plugins: PluginSet) -> TokenizerRouter:
+def tokenizer_from_config(plugins: PluginSet, base_model: str | None = None) -> TokenizerRouter:
     """Local tokenizers from `local-tokenizer` plugins; /tokenize via a pod for the rest."""
     local: dict[str, LocalTokenizer] = {}
     for plugin in plugins.of_type("local-tokenizer"):
@@ -420,15 +469,15 @@ def tokenizer_from_config(plugins: PluginSet) -> TokenizerRouter:
             Path(p.path or Path(p.tokenizerFile).parent),
             tokenizer_file=p.tokenizerFile,
             chat_template_file=p.chatTemplateFile,
-            cache_size=p.cacheSize,
+            cache_bytes=p.cacheBytes,
         )
     pod_settings = plugins.of_type("pod-tokenizer")
     if pod_settings:
         p = pod_settings[0].params
-        fallback = PodTokenizer(cache_size=p.cacheSize, timeout_s=p.timeoutSeconds)
+        fallback = PodTokenizer(cache_bytes=p.cacheBytes, timeout_s=p.timeoutSeconds)
     else:
         fallback = PodTokenizer()
-    return TokenizerRouter(local, fallback)
+    return TokenizerRouter(local, fallback, base_model)
 
 
 def _configured_block_size(plugins: PluginSet) -> int | None:
@@ -454,6 +503,8 @@ def build_scheduler(
     profile: str | None = None,
     explain: bool | None = None,
     fallbacks: int = 0,
+    registry: CollectorRegistry = REGISTRY,
+    record_e2e: bool = True,
 ) -> PipelineScheduler:
     """Builds the scheduler for a config (a built-in name, a YAML path, or loaded config).
 
@@ -469,6 +520,8 @@ def build_scheduler(
       config's `blockSize`, else 16.
     - `clock`: monotonic seconds, or a virtual clock in a replay.
     - `fallbacks`: extra endpoints, best-scored first, appended after the picker's choice.
+    - `registry` / `record_e2e`: where the duration histograms go; `record_e2e=False` when
+      the caller already times the scheduling call under the same e2e metric name.
     """
     plugins = instantiate(load_config(config))
     if ingest_state is not None:
@@ -486,21 +539,22 @@ def build_scheduler(
         seed=seed,
         explain=explain,
         fallbacks=fallbacks,
+        metrics=scheduler_metrics(registry, record_e2e=record_e2e),
     )
     if tokenizer is None or tokenizer is True:
         if scheduler.needs_tokens:
-            scheduler.tokenizer = tokenizer_from_config(plugins)
+            scheduler.tokenizer = tokenizer_from_config(plugins, base_model)
     elif tokenizer is not False:
         scheduler.tokenizer = tokenizer
     return scheduler
 
 
 __all__ = [
-    "E2E_DURATION",
-    "PLUGIN_DURATION",
     "IndexPrefixMatcher",
     "ModelOf",
     "PipelineScheduler",
     "PrefixMatcher",
+    "SchedulerMetrics",
     "build_scheduler",
+    "scheduler_metrics",
 ]

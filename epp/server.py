@@ -58,6 +58,7 @@ class Exchange:
         "_body_size",
         "_headers",
         "_reader",
+        "_response_seen",
         "_started",
         "_subset",
         "done",
@@ -92,6 +93,7 @@ class Exchange:
         self._body_size = 0
         self._subset: list[str] | None = None
         self._reader: UsageReader | None = None
+        self._response_seen = False
         self._started = time.perf_counter()
         # Work to do once the replies are on their way to Envoy.
         self._after: Callable[[], None] | None = None
@@ -122,7 +124,7 @@ class Exchange:
             if kind == "response_headers":
                 return self._on_response_headers(message)
             if kind == "response_body":
-                return self._on_response_body(message.response_body)
+                return self._on_response_body(message)
             if kind == "response_trailers":
                 self._after = self._finish_ok
                 return [px.CONTINUE_RESPONSE_TRAILERS]
@@ -195,8 +197,7 @@ class Exchange:
             gw.adapter_resolver,
         )
         self.request = request
-        target = request.adapter or request.model
-        gw.metrics.requests.labels(request.model, target).inc()
+        gw.metrics.objective(request.model, request.adapter or request.model).requests.inc()
 
         candidates = gw.datastore.ready_pods()
         if self._subset is not None:
@@ -253,12 +254,13 @@ class Exchange:
             return px.streamed_response_body(body.body, body.end_of_stream)[0]
         return px.CONTINUE_RESPONSE_TRAILERS
 
-    def _on_response_headers(self, message: px.ProcessingRequest) -> list[px.Reply]:
-        http = message.response_headers
-        headers = px.headers_of(http)
-        status = headers.get(":status", "0")
-        self.status = int(status) if status.isdigit() else 0
-        self._reader = UsageReader(headers.get("content-type", ""))
+    def _learn_response(self, message: px.ProcessingRequest, status: int | None) -> None:
+        """First message of the response: its status, and which endpoint answered."""
+        self._response_seen = True
+        if status is None:
+            status = px.response_code(message)
+        if status is not None:
+            self.status = status
         request = self.request
         served = px.served_endpoint(message)
         if request is not None and served and served != self.served:
@@ -268,17 +270,32 @@ class Exchange:
             if datastore.get(served) is not None:
                 datastore.begin(served, request)
             self.served = served
+
+    def _on_response_headers(self, message: px.ProcessingRequest) -> list[px.Reply]:
+        http = message.response_headers
+        headers = px.headers_of(http)
+        status = headers.get(":status", "")
+        self._reader = UsageReader(headers.get("content-type", ""))
+        self._learn_response(message, int(status) if status.isdigit() else None)
         if http.end_of_stream:
             self._after = self._finish_ok
         return [px.CONTINUE_RESPONSE_HEADERS]
 
-    def _on_response_body(self, http_body: px.ProcessingRequest) -> list[px.Reply]:
+    def _on_response_body(self, message: px.ProcessingRequest) -> list[px.Reply]:
+        # The shipped Envoy config skips the response headers message (one round trip
+        # less per request): the status and the served endpoint then come as attributes
+        # of the first body message, and the body's format is recognised from its bytes.
+        if not self._response_seen:
+            self._learn_response(message, None)
+        if self._reader is None:
+            self._reader = UsageReader(None)
+        http_body = message.response_body
         chunk = http_body.body
         eos = http_body.end_of_stream
         if not self.first_byte_at and chunk:
             self.first_byte_at = time.perf_counter()
         reader = self._reader
-        if reader is not None and chunk:
+        if chunk:
             if eos:
                 self._after = lambda: (reader.feed(chunk), self._finish_ok())
             else:

@@ -10,9 +10,9 @@ Two ways, chosen per model:
   environment with trim_blocks/lstrip_blocks; the rendered chat is tokenized without
   adding special tokens, a plain prompt with them).
 
-Both keep an LRU of results. The local path also caches per segment between special
-tokens (chat turn markers), so a long conversation whose earlier turns were seen before
-only tokenizes its new turns.
+Both keep an LRU of results, bounded in bytes. The local path also caches per segment
+between special tokens (chat turn markers), so a long conversation whose earlier turns
+were seen before only tokenizes its new turns.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -48,26 +49,54 @@ V = TypeVar("V")
 
 
 class LRUCache(Generic[K, V]):
-    """A small least-recently-used map."""
+    """A least-recently-used map bounded by the total weight of its values."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._data: OrderedDict[K, V] = OrderedDict()
+    def __init__(self, max_weight: int, weigh: Callable[[K, V], int]) -> None:
+        self.max_weight = max_weight
+        self.weight = 0
+        self._weigh = weigh
+        self._data: OrderedDict[K, tuple[V, int]] = OrderedDict()
 
     def get(self, key: K) -> V | None:
-        value = self._data.get(key)
-        if value is not None:
-            self._data.move_to_end(key)
-        return value
+        found = self._data.get(key)
+        if found is None:
+            return None
+        self._data.move_to_end(key)
+        return found[0]
 
     def put(self, key: K, value: V) -> None:
-        self._data[key] = value
-        self._data.move_to_end(key)
-        while len(self._data) > self.capacity:
-            self._data.popitem(last=False)
+        weight = self._weigh(key, value)
+        if weight > self.max_weight:
+            return  # larger than the whole cache: keeping it would evict everything
+        old = self._data.pop(key, None)
+        if old is not None:
+            self.weight -= old[1]
+        self._data[key] = (value, weight)
+        self.weight += weight
+        while self.weight > self.max_weight:
+            _, (_, dropped) = self._data.popitem(last=False)
+            self.weight -= dropped
 
     def __len__(self) -> int:
         return len(self._data)
+
+
+# Token ids are kept as 4-byte unsigned ints (every vocabulary vLLM serves fits), a tenth
+# of a list of Python ints; a long prompt cached a thousand times stays in megabytes.
+TokenArray = array
+DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+
+
+def _ids_weight(key: object, ids: TokenArray) -> int:
+    return 64 + ids.itemsize * len(ids)
+
+
+def _segment_weight(text: str, ids: TokenArray) -> int:
+    return 64 + len(text) + ids.itemsize * len(ids)
+
+
+def _pack(ids: Sequence[int]) -> TokenArray:
+    return array("I", ids)
 
 
 class PromptTokenizer(Protocol):
@@ -130,15 +159,15 @@ class LocalTokenizer:
         tokenizer: Tokenizer,
         chat_template: str | None,
         special_tokens: Mapping[str, str] | None = None,
-        cache_size: int = 4096,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         self._tok = tokenizer
         self._template = (
             chat_template_environment().from_string(chat_template) if chat_template else None
         )
         self._special_tokens = dict(special_tokens or {})
-        self._cache: LRUCache[bytes, list[int]] = LRUCache(cache_size)
-        self._segments: LRUCache[str, list[int]] = LRUCache(cache_size * 8)
+        self._cache: LRUCache[bytes, TokenArray] = LRUCache(cache_bytes // 2, _ids_weight)
+        self._segments: LRUCache[str, TokenArray] = LRUCache(cache_bytes // 2, _segment_weight)
         self._added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
         self._split = (
             re.compile(
@@ -159,7 +188,7 @@ class LocalTokenizer:
         *,
         tokenizer_file: str | Path | None = None,
         chat_template_file: str | Path | None = None,
-        cache_size: int = 4096,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> LocalTokenizer:
         """Loads tokenizer.json, tokenizer_config.json and chat_template.jinja from `path`."""
         folder = Path(path)
@@ -181,7 +210,7 @@ class LocalTokenizer:
             text = _token_text(config.get(key))
             if text is not None:
                 specials[key] = text
-        return cls(tokenizer, template, specials, cache_size)
+        return cls(tokenizer, template, specials, cache_bytes)
 
     def _special_affixes(self) -> tuple[list[int], list[int]]:
         """The ids the post-processor adds around a plain prompt (e.g. BOS)."""
@@ -205,8 +234,11 @@ class LocalTokenizer:
 
     def _encode_segmented(self, text: str) -> list[int]:
         assert self._split is not None
+        pieces = self._split.split(text)
+        if len(pieces) == 1:  # no special token: the request-level cache covers it
+            return self._tok.encode(text, add_special_tokens=False).ids
         out: list[int] = []
-        for piece in self._split.split(text):
+        for piece in pieces:
             if not piece:
                 continue
             special = self._added.get(piece)
@@ -215,7 +247,7 @@ class LocalTokenizer:
                 continue
             ids = self._segments.get(piece)
             if ids is None:
-                ids = self._tok.encode(piece, add_special_tokens=False).ids
+                ids = _pack(self._tok.encode(piece, add_special_tokens=False).ids)
                 self._segments.put(piece, ids)
             out.extend(ids)
         return out
@@ -244,14 +276,14 @@ class LocalTokenizer:
         cached = self._cache.get(key)
         if cached is not None:
             TOKENIZE_TOTAL.labels("local", "cache_hit").inc()
-            return cached
+            return cached.tolist()
         if request.messages is not None:
             # vLLM tokenizes a rendered chat without adding special tokens: the template
             # already wrote them.
             ids = self.encode(self.render_chat(request.messages), add_special_tokens=False)
         else:
             ids = self.encode(request.prompt or "", add_special_tokens=True)
-        self._cache.put(key, ids)
+        self._cache.put(key, _pack(ids))
         TOKENIZE_TOTAL.labels("local", "ok").inc()
         return ids
 
@@ -273,12 +305,12 @@ class PodTokenizer:
     def __init__(
         self,
         *,
-        cache_size: int = 4096,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
         timeout_s: float = 2.0,
         session_factory: Callable[[], aiohttp.ClientSession] | None = None,
         attempts: int = 2,
     ) -> None:
-        self._cache: LRUCache[bytes, list[int]] = LRUCache(cache_size)
+        self._cache: LRUCache[bytes, TokenArray] = LRUCache(cache_bytes, _ids_weight)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session_factory = session_factory
         self._session: aiohttp.ClientSession | None = None
@@ -317,7 +349,7 @@ class PodTokenizer:
         cached = self._cache.get(key)
         if cached is not None:
             TOKENIZE_TOTAL.labels("pod", "cache_hit").inc()
-            return cached
+            return cached.tolist()
         ready = [p for p in pods if p.ready] or list(pods)
         if not ready:
             return None
@@ -326,7 +358,7 @@ class PodTokenizer:
             ids = await self._ask(pod.address, body)
             if ids is not None:
                 self._turn += 1
-                self._cache.put(key, ids)
+                self._cache.put(key, _pack(ids))
                 TOKENIZE_TOTAL.labels("pod", "ok").inc()
                 return ids
         TOKENIZE_TOTAL.labels("pod", "error").inc()
@@ -359,15 +391,22 @@ class TokenizerRouter:
     """Local tokenizers for the models that have one; a pod's /tokenize for the rest."""
 
     def __init__(
-        self, local: Mapping[str, LocalTokenizer], fallback: PromptTokenizer | None
+        self,
+        local: Mapping[str, LocalTokenizer],
+        fallback: PromptTokenizer | None,
+        base_model: str | None = None,
     ) -> None:
         self.local = dict(local)
         self.fallback = fallback
+        # An adapter request names the adapter as its model; it shares the base's tokenizer.
+        self.base_model = base_model
 
     async def tokenize(self, request: LLMRequest, pods: Sequence[PodState]) -> list[int] | None:
         if request.prompt_token_ids is not None:
             return request.prompt_token_ids
         local = self.local.get(request.model)
+        if local is None and request.adapter is not None and self.base_model is not None:
+            local = self.local.get(self.base_model)
         if local is not None:
             return await local.tokenize(request, pods)
         if self.fallback is not None:

@@ -38,6 +38,7 @@ _decoder = msgspec.json.Decoder(_WithUsage)
 # A JSON response larger than this is not kept for usage (it still passes unchanged).
 MAX_JSON_BYTES = 8 * 1024 * 1024
 _MARKER = b'"usage"'
+_SNIFF_BYTES = 6
 
 
 def _to_usage(raw: _WithUsage) -> Usage | None:
@@ -66,18 +67,38 @@ def _decode(document: bytes | memoryview) -> Usage | None:
 class UsageReader:
     """Feed response chunks in order; `usage` holds the last usage seen."""
 
-    __slots__ = ("_json_parts", "_json_size", "_pending", "sse", "usage")
+    __slots__ = ("_json_parts", "_json_size", "_pending", "_undecided", "sse", "usage")
 
-    def __init__(self, content_type: str) -> None:
-        self.sse = content_type.startswith("text/event-stream")
+    def __init__(self, content_type: str | None) -> None:
+        """`content_type` None: recognise the format from the first bytes of the body."""
         self.usage: Usage | None = None
         self._pending = b""
+        self._json_size = 0
+        self._undecided = content_type is None
+        self._set_format(content_type or "")
+
+    def _set_format(self, content_type: str) -> None:
+        self.sse = content_type.startswith("text/event-stream")
         self._json_parts: list[bytes] | None = (
             None if self.sse or "json" not in content_type else []
         )
-        self._json_size = 0
+
+    def _recognise(self, head: bytes) -> None:
+        self._undecided = False
+        if head.startswith((b"{", b"[")):
+            self._set_format("application/json")
+        elif head.startswith((b"data:", b"event:", b":", b"id:")):
+            self._set_format("text/event-stream")
 
     def feed(self, chunk: bytes) -> None:
+        if self._undecided:
+            # Hold the first few bytes until they tell the format apart.
+            chunk = self._pending + chunk
+            if len(chunk.lstrip()) < _SNIFF_BYTES:
+                self._pending = chunk
+                return
+            self._pending = b""
+            self._recognise(chunk.lstrip())
         if self.sse:
             self._feed_sse(chunk)
         elif self._json_parts is not None:
@@ -88,6 +109,10 @@ class UsageReader:
                 self._json_parts.append(chunk)
 
     def finish(self) -> Usage | None:
+        if self._undecided and self._pending:
+            held, self._pending = self._pending, b""
+            self._recognise(held.lstrip())
+            self.feed(held)
         if self.sse:
             if self._pending:
                 self._scan_line(self._pending)

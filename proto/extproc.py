@@ -29,6 +29,7 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
+RESPONSE_CODE_ATTRIBUTE = "response.code"
 EXT_PROC_FILTER_NAME = "envoy.filters.http.ext_proc"
 
 # Envoy's gRPC client copes with larger frames, but the Inference Extension settled on
@@ -172,23 +173,62 @@ def streamed_response_body(chunk: bytes, end_of_stream: bool) -> list[Reply]:
     return _streamed(chunk, end_of_stream, request=False)
 
 
-def _streamed(body: bytes, end_of_stream: bool, *, request: bool) -> list[Reply]:
-    def one(chunk: bytes, last: bool) -> ProcessingResponse:
-        mutation = ep.BodyMutation(
-            streamed_response=ep.StreamedBodyResponse(body=chunk, end_of_stream=last)
-        )
-        body_response = ep.BodyResponse(response=ep.CommonResponse(body_mutation=mutation))
-        if request:
-            return ep.ProcessingResponse(request_body=body_response)
-        return ep.ProcessingResponse(response_body=body_response)
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
+
+def _length_delimited_tag(message: Any, field: str) -> bytes:
+    number = message.DESCRIPTOR.fields_by_name[field].number
+    return _varint(number << 3 | 2)
+
+
+# The path from ProcessingResponse down to StreamedBodyResponse.body, as wire tags. These
+# replies carry the whole request body, so they are encoded directly: one copy of the
+# body instead of building five nested messages and serializing them.
+_TO_STREAMED = (
+    _length_delimited_tag(ep.BodyResponse, "response"),
+    _length_delimited_tag(ep.CommonResponse, "body_mutation"),
+    _length_delimited_tag(ep.BodyMutation, "streamed_response"),
+)
+_REQUEST_BODY_TAG = _length_delimited_tag(ep.ProcessingResponse, "request_body")
+_RESPONSE_BODY_TAG = _length_delimited_tag(ep.ProcessingResponse, "response_body")
+_BODY_TAG = _length_delimited_tag(ep.StreamedBodyResponse, "body")
+_END_OF_STREAM = (
+    _varint(ep.StreamedBodyResponse.DESCRIPTOR.fields_by_name["end_of_stream"].number << 3)
+    + b"\x01"
+)
+
+
+def _streamed_chunk(chunk: bytes | memoryview, last: bool, outer_tag: bytes) -> bytes:
+    parts: list[bytes | memoryview] = []
+    size = 0
+    if chunk:  # proto3 leaves an empty field out
+        parts += (_BODY_TAG, _varint(len(chunk)), chunk)
+        size = len(_BODY_TAG) + len(parts[1]) + len(chunk)
+    if last:
+        parts.append(_END_OF_STREAM)
+        size += len(_END_OF_STREAM)
+    for tag in (*reversed(_TO_STREAMED), outer_tag):
+        length = _varint(size)
+        parts[:0] = (tag, length)
+        size += len(tag) + len(length)
+    return b"".join(parts)
+
+
+def _streamed(body: bytes, end_of_stream: bool, *, request: bool) -> list[Reply]:
+    tag = _REQUEST_BODY_TAG if request else _RESPONSE_BODY_TAG
     if len(body) <= STREAMED_CHUNK_BYTES:
-        return [one(body, end_of_stream)]
+        return [_streamed_chunk(body, end_of_stream, tag)]
     view = memoryview(body)
     starts = range(0, len(body), STREAMED_CHUNK_BYTES)
     last_start = starts[-1]
     return [
-        one(bytes(view[s : s + STREAMED_CHUNK_BYTES]), end_of_stream and s == last_start)
+        _streamed_chunk(view[s : s + STREAMED_CHUNK_BYTES], end_of_stream and s == last_start, tag)
         for s in starts
     ]
 
@@ -218,11 +258,10 @@ def immediate_response(
 
 def headers_of(http_headers: Any) -> dict[str, str]:
     """Header map of an HttpHeaders message; Envoy sends values in `raw_value` bytes."""
-    result: dict[str, str] = {}
-    for header in http_headers.headers.headers:
-        raw = header.raw_value
-        result[header.key] = raw.decode("latin-1") if raw else header.value
-    return result
+    return {
+        h.key: h.raw_value.decode("latin-1") if h.raw_value else h.value
+        for h in http_headers.headers.headers
+    }
 
 
 def body_modes(message: ProcessingRequest) -> tuple[BodyMode, BodyMode] | None:
@@ -253,6 +292,17 @@ def subset_hint(message: ProcessingRequest) -> list[str] | None:
     if namespace is None or SUBSET_KEY not in namespace.fields:
         return None
     return _string_values(namespace.fields[SUBSET_KEY])
+
+
+def response_code(message: ProcessingRequest) -> int | None:
+    """The HTTP status from the `response.code` attribute, when the filter asks for it."""
+    attributes = message.attributes.get(EXT_PROC_FILTER_NAME)
+    if attributes is None or RESPONSE_CODE_ATTRIBUTE not in attributes.fields:
+        return None
+    value = attributes.fields[RESPONSE_CODE_ATTRIBUTE]
+    if value.WhichOneof("kind") != "number_value":
+        return None
+    return int(value.number_value)
 
 
 def served_endpoint(message: ProcessingRequest) -> str | None:

@@ -135,13 +135,3 @@ def min_max_inverted(values: Sequence[float]) -> list[float]:
         return [1.0] * len(values)
     span = hi - lo
     return [(hi - v) / span for v in values]
-
-
-def metrics_fresh(pod: PodState, now: float, stale_after_s: float) -> bool:
-    """Whether the pod's metrics are recent enough to trust.
-
-    `scraped_at == 0` means nobody scrapes this pod (a replay feeding snapshots, or no
-    scrape yet): its metrics are whatever was set on it and are taken as they are.
-    """
-    scraped = pod.metrics.scraped_at
-    return scraped == 0.0 or now - scraped <= stale_after_s

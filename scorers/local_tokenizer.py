@@ -2,7 +2,7 @@
 
 Parameters: `modelName` (as clients send it), `path` (a model folder holding
 tokenizer.json and a chat template, as in a Hugging Face checkout), optional
-`tokenizerFile` / `chatTemplateFile` overrides, `cacheSize` (LRU entries). Models with
+`tokenizerFile` / `chatTemplateFile` overrides, `cacheBytes` (LRU budget). Models with
 no local-tokenizer are tokenized through a pod's /tokenize endpoint, which always agrees
 with the pods.
 """
@@ -20,7 +20,7 @@ class LocalTokenizerParams(PluginParams):
     path: str | None = None
     tokenizerFile: str | None = None
     chatTemplateFile: str | None = None
-    cacheSize: int = Field(default=4096, gt=0)
+    cacheBytes: int = Field(default=64 * 1024 * 1024, gt=0)
 
 
 @register_plugin()
@@ -32,7 +32,7 @@ class LocalTokenizerPlugin(Plugin):
 
 
 class PodTokenizerParams(PluginParams):
-    cacheSize: int = Field(default=4096, gt=0)
+    cacheBytes: int = Field(default=64 * 1024 * 1024, gt=0)
     timeoutSeconds: float = Field(default=2.0, gt=0)
 
 

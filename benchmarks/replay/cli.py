@@ -145,6 +145,11 @@ def _progress(console: Console) -> Progress:
     )
 
 
+def policy_label(name: str) -> str:
+    """How a policy is shown: its name, or a config file's stem."""
+    return Path(name).stem if name.endswith((".yaml", ".yml")) else name
+
+
 def simulate_policy(
     name: str,
     workload: Workload,
@@ -157,7 +162,7 @@ def simulate_policy(
     clock_box: list[Simulation] = []
     ctx = PolicyContext(pool, lambda: clock_box[0].now if clock_box else 0.0, seed, config.model)
     policy = build_policy(name, ctx)
-    task = progress.add_task(name, total=len(workload.requests)) if progress else None
+    task = progress.add_task(policy_label(name), total=len(workload.requests)) if progress else None
 
     def done(_: RequestResult) -> None:
         if progress is not None and task is not None:
@@ -174,6 +179,9 @@ def _max_len(requests: Sequence[TraceRequest]) -> int:
 
 def run_sim(args: argparse.Namespace, workload: Workload, console: Console) -> int:
     names = args.policy or list(ALL_POLICIES)
+    if len({policy_label(n) for n in names}) != len(names):
+        console.print("[red]error:[/red] a policy is named twice")
+        return 2
     for name in names:
         if not known_policy(name):
             console.print(f"[red]error:[/red] unknown policy {name!r}")
@@ -196,11 +204,12 @@ def run_sim(args: argparse.Namespace, workload: Workload, console: Console) -> i
         for name in names:
             started = time.perf_counter()
             try:
-                per_policy[name] = simulate_policy(name, workload, config, args.seed, progress)
+                results = simulate_policy(name, workload, config, args.seed, progress)
             except UnknownPolicy as exc:
                 console.print(f"[red]error:[/red] {exc}")
                 return 2
-            wall_s[name] = round(time.perf_counter() - started, 2)
+            per_policy[policy_label(name)] = results
+            wall_s[policy_label(name)] = round(time.perf_counter() - started, 2)
     console.print(
         "simulation time per policy: " + ", ".join(f"{n} {s:.1f}s" for n, s in wall_s.items())
     )

@@ -55,3 +55,11 @@ def test_oversized_json_is_not_kept() -> None:
     reader.feed(b"[" + b" " * MAX_JSON_BYTES)
     reader.feed(json.dumps({"usage": USAGE}).encode())
     assert reader.finish() is None
+
+
+def test_format_recognised_from_the_body_when_no_content_type() -> None:
+    body = json.dumps({"usage": USAGE}).encode()
+    assert feed(UsageReader(None), b"  \n" + body, 5) == Usage(12, 3, 8)
+    stream = f"data: {json.dumps({'usage': USAGE})}\n\ndata: [DONE]\n\n".encode()
+    assert feed(UsageReader(None), stream, 4) == Usage(12, 3, 8)
+    assert feed(UsageReader(None), b"plain text usage", 4) is None

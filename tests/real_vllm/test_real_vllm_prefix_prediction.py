@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import zmq.asyncio
+from prometheus_client import REGISTRY
 from support.net import async_wait_until
 from support.paths import TINY_MODEL
 from vllm_pods import BLOCK_SIZE, SERVED_MODEL, VllmPod, completion_body, unique_prompt
@@ -154,3 +155,28 @@ async def test_index_keeps_adapters_apart_like_vllm(audit: Audit, pod_b: VllmPod
     # Different adapters never share KV blocks, even for identical tokens.
     assert reported[0] == reported[1] == reported[3] == 0
     assert reported[2] > 0 and reported[4] > 0
+
+
+def removed_blocks(pod: VllmPod) -> float:
+    value = REGISTRY.get_sample_value(
+        "smart_epp_kv_block_hashes_total", {"pod": pod.config.address, "action": "removed"}
+    )
+    return value or 0.0
+
+
+async def test_index_follows_evictions_of_a_full_cache(audit: Audit, pod_a: VllmPod) -> None:
+    removed_before = removed_blocks(pod_a)
+    # Each prompt takes ~20 of the pod's blocks: the cache overflows after a handful and
+    # vLLM evicts (and publishes) the least recently used blocks.
+    prompts = [
+        unique_prompt(f"evict{i}", words=260) for i in range(pod_a.config.num_gpu_blocks // 16)
+    ]
+    for i, prompt in enumerate(prompts):
+        await audit.send(pod_a, f"fill {i}", completion_body(prompt, 2))
+    assert removed_blocks(pod_a) > removed_before
+    # Oldest first: some of these lost blocks to eviction, the last ones are whole.
+    for i in (0, 1, len(prompts) - 1):
+        await audit.send(pod_a, f"again {i}", completion_body(prompts[i] + " again", 2))
+    rows = audit.rows[-(len(prompts) + 3) :]
+    assert [r[2] for r in rows] == [r[3] for r in rows], rows
+    assert rows[-1][3] > 0

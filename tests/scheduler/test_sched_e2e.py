@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiohttp
 import pytest
+from aiohttp import web
 from support.envoy import EnvoyProcess, async_running_envoy
-from support.net import async_wait_until
+from support.net import async_wait_until, free_port
 
-from smart_epp.benchmarks.sim.pool import PodHandle, SimPool, run_pool, start_pod, stop_pod
+from smart_epp.benchmarks.sim.pool import PodHandle, SimPool, run_pool
 from smart_epp.epp.datastore import Datastore
 from smart_epp.epp.scheduler import PipelineScheduler, build_scheduler
 from smart_epp.epp.scrape import MetricsScraper
@@ -59,6 +61,7 @@ class Stack:
     scheduler: PipelineScheduler
     envoy: EnvoyProcess
     http: aiohttp.ClientSession
+    pod1_metrics: MetricsRelay
 
     def pod(self, i: int) -> PodHandle:
         return self.pool.pods[i]
@@ -82,15 +85,57 @@ class Stack:
         return pod, answer
 
 
+class MetricsRelay:
+    """A real HTTP server in front of one pod's /metrics that can stop answering (the port
+    refuses connections) and come back, while the pod itself keeps serving."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.port = free_port()
+        self._runner: web.AppRunner | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/metrics"
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        assert self._http is not None
+        async with self._http.get(self.upstream) as resp:
+            return web.Response(body=await resp.read(), content_type="text/plain")
+
+    async def start(self) -> None:
+        self._http = self._http or aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def close(self) -> None:
+        await self.stop()
+        if self._http is not None:
+            await self._http.close()
+
+
 @contextlib.asynccontextmanager
 async def stack(**sim_options: object) -> AsyncIterator[Stack]:
     async with run_pool(4, model=MODEL, block_size=16, loras=LORAS, **sim_options) as pool:
+        relay = MetricsRelay(pool.pods[1].metrics_url)
+        await relay.start()
+        endpoints = [h.endpoint() for h in pool.pods]
+        endpoints[1] = dataclasses.replace(endpoints[1], metrics_url=relay.url)
         datastore = Datastore()
         index = MemoryBlockIndex()
         ingest = IngestState()
         events = KVEventManager(index, ingest, default_model=MODEL)
         datastore.add_listener(events.on_endpoint_added, events.on_endpoint_removed)
-        datastore.set_endpoints(h.endpoint() for h in pool.pods)
+        datastore.set_endpoints(endpoints)
         await events.start()
         scraper = MetricsScraper(datastore, interval_s=0.05, timeout_s=0.5, failure_threshold=3)
         await scraper.start()
@@ -111,12 +156,20 @@ async def stack(**sim_options: object) -> AsyncIterator[Stack]:
                     10,
                     "first scrape of every pod",
                 )
-                yield Stack(pool, datastore, index, ingest, scheduler, envoy, http)
+                yield Stack(pool, datastore, index, ingest, scheduler, envoy, http, relay)
         finally:
+            await relay.close()
             await server.stop(0)
             await scraper.stop()
             await events.stop()
             await scheduler.aclose()
+
+
+async def warm(s: Stack, i: int, prefix: str) -> None:
+    """Sends `prefix` straight to pod i and waits until the index, from the pod's KV events,
+    says pod i holds it."""
+    await s.direct(i, {"model": MODEL, "prompt": f"{prefix} warm", "max_tokens": 1})
+    await wait_held(s, i, prefix)
 
 
 async def wait_held(s: Stack, i: int, prompt: str) -> None:
@@ -143,8 +196,7 @@ def _completion(prompt: str) -> LLMRequest:
 async def test_a_prefix_warmed_directly_on_pod_3_draws_requests_there():
     async with stack() as s:
         prefix = text(1, 600)
-        await s.direct(3, {"model": MODEL, "prompt": prefix + " warm", "max_tokens": 1})
-        await wait_held(s, 3, prefix)
+        await warm(s, 3, prefix)
         for n in range(3):
             body = {"model": MODEL, "prompt": f"{prefix} question {n}", "max_tokens": 2}
             pod, answer = await s.via_gateway(body)
@@ -160,7 +212,7 @@ async def test_b_lora_request_prefers_the_pod_with_the_adapter_loaded():
     async with stack() as s:
         # A long lora-a request keeps the adapter loaded on pod 2.
         holder = asyncio.create_task(
-            s.direct(2, {"model": "lora-a", "prompt": text(9, 50), "max_tokens": 2000})
+            s.direct(2, {"model": "lora-a", "prompt": text(9, 50), "max_tokens": 400})
         )
         try:
             address = s.pod(2).http_address
@@ -180,17 +232,16 @@ async def test_b_lora_request_prefers_the_pod_with_the_adapter_loaded():
 
 
 async def test_c_a_saturated_queue_sends_requests_elsewhere():
-    async with stack(max_num_seqs=2) as s:
+    async with stack(max_num_seqs=2, time_scale=0.5) as s:
         prefix = text(2, 400)
-        await s.direct(0, {"model": MODEL, "prompt": prefix + " warm", "max_tokens": 1})
-        await wait_held(s, 0, prefix)
+        await warm(s, 0, prefix)
         pod, _ = await s.via_gateway({"model": MODEL, "prompt": prefix + " a", "max_tokens": 2})
         assert pod == 0  # the warm prefix pulls the request while pod 0 is idle
         hogs = [
             asyncio.create_task(
-                s.direct(0, {"model": MODEL, "prompt": text(30 + n, 80), "max_tokens": 3000})
+                s.direct(0, {"model": MODEL, "prompt": text(30 + n, 80), "max_tokens": 300})
             )
-            for n in range(6)
+            for n in range(5)  # two run, three wait
         ]
         try:
             address = s.pod(0).http_address
@@ -210,23 +261,23 @@ async def test_c_a_saturated_queue_sends_requests_elsewhere():
 async def test_d_a_pod_without_metrics_leaves_and_comes_back():
     async with stack() as s:
         prefix = text(3, 400)
-        await s.direct(1, {"model": MODEL, "prompt": prefix + " warm", "max_tokens": 1})
-        await wait_held(s, 1, prefix)
-        address = s.pod(1).http_address
-        pod_state = s.datastore.get(address)
+        await warm(s, 1, prefix)
+        pod_state = s.datastore.get(s.pod(1).http_address)
+        pod, _ = await s.via_gateway({"model": MODEL, "prompt": f"{prefix} a", "max_tokens": 2})
+        assert pod == 1  # its cached prefix draws the request while it is a candidate
 
-        await stop_pod(s.pod(1))  # /metrics (and everything else) stops answering
+        await s.pod1_metrics.stop()  # /metrics stops answering; the pod itself still serves
         await async_wait_until(lambda: not pod_state.ready, 10, "pod 1 out of the set")
         for n in range(3):
-            # Pod 1 holds the prefix, yet requests go elsewhere and succeed.
-            pod, _ = await s.via_gateway({"model": MODEL, "prompt": f"{prefix} {n}",
+            pod, _ = await s.via_gateway({"model": MODEL, "prompt": f"{prefix} b{n}",
                                           "max_tokens": 2})  # fmt: skip
             assert pod != 1
 
-        s.pool.pods[1] = await start_pod(s.pool.configs[1], 1, s.pool.tokenizer)
+        await s.pod1_metrics.start()
         await async_wait_until(lambda: pod_state.ready, 10, "pod 1 back in the set")
-        fresh = text(4, 400)  # the restarted pod's cache is empty: warm a new prefix
-        await s.direct(1, {"model": MODEL, "prompt": fresh + " warm", "max_tokens": 1})
-        await wait_held(s, 1, fresh)
-        pod, _ = await s.via_gateway({"model": MODEL, "prompt": fresh + " x", "max_tokens": 2})
+        # Meanwhile another pod cached that prefix too; a prefix only pod 1 holds shows it
+        # is a candidate again.
+        fresh = text(4, 400)
+        await warm(s, 1, fresh)
+        pod, _ = await s.via_gateway({"model": MODEL, "prompt": f"{fresh} c", "max_tokens": 2})
         assert pod == 1

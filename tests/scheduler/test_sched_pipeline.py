@@ -240,3 +240,26 @@ async def test_local_tokenizer_config_tokenizes_chat_exactly_like_vllm():
     assert decision.prompt_token_ids == vllm_ids
     assert decision.endpoints[0].address == "b:1"
     await scheduler.aclose()
+
+
+async def test_metrics_can_go_to_the_gateways_own_registry():
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    scheduler = build_scheduler("gie-default", registry=registry, record_e2e=False, seed=0)
+    await scheduler.schedule(request(prompt="x" * 200), [pod("a:1"), pod("b:1")])
+    labels = {"extension_point": "Scorer", "plugin_type": "queue-scorer",
+              "plugin_name": "queue-scorer"}  # fmt: skip
+    assert (
+        registry.get_sample_value("inference_extension_plugin_duration_seconds_count", labels) == 1
+    )
+    assert (
+        registry.get_sample_value("inference_extension_scheduler_e2e_duration_seconds_count")
+        is None
+    )
+    # A second scheduler on the same registry shares the histograms.
+    again = build_scheduler("gie-default", registry=registry, record_e2e=False, seed=0)
+    await again.schedule(request(prompt="y" * 200), [pod("a:1")])
+    assert (
+        registry.get_sample_value("inference_extension_plugin_duration_seconds_count", labels) == 2
+    )

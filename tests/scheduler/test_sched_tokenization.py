@@ -173,5 +173,10 @@ async def test_router_uses_local_tokenizer_for_configured_models(local, tokenize
         assert len(good.bodies) == 1  # "lora-a" has no local tokenizer: asked the pod
         given = request(tokens=[1, 2, 3])
         assert await router.tokenize(given, pods) == [1, 2, 3]
+        # Told the base model, an adapter request uses the base model's local tokenizer.
+        based = TokenizerRouter({"tiny": local}, fallback, base_model="tiny")
+        adapter_request = request(prompt=lora["request"]["prompt"], adapter="lora-a")
+        assert await based.tokenize(adapter_request, pods) == lora["prompt_token_ids"]
+        assert len(good.bodies) == 1
     finally:
         await router.aclose()

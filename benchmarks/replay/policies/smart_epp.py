@@ -4,6 +4,7 @@ tracking), on the simulation's virtual clock."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from smart_epp.benchmarks.replay.sim import RoutedPolicy
@@ -37,4 +38,5 @@ def build_config_policy(name: str, ctx: PolicyContext) -> RoutedPolicy:
     async def deliver(pod: str, seq: int, payload: bytes) -> None:
         await streams[pod].handle(seq, payload)
 
-    return RoutedPolicy(name, scheduler, kv_events=deliver)
+    label = Path(name).stem if name.endswith((".yaml", ".yml")) else name
+    return RoutedPolicy(label, scheduler, kv_events=deliver)
