@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
-import os
 import logging
 import signal
 from collections.abc import Callable
@@ -84,10 +82,6 @@ async def serve(
         server.metrics_port,
         len(datastore),
     )
-    if os.environ.get("EXP_GC") == "1":
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(20_000, 50, 100)
     if on_started is not None:
         on_started(server)
     try:
