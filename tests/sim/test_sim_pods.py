@@ -295,13 +295,13 @@ def test_cli_registers_the_sim_subcommand():
 async def test_cli_runs_a_pool_of_pods(tmp_path):
     import sys
 
-    from support.net import free_port
+    from support.net import free_port_block
 
-    base, kv = free_port(), free_port()
+    base, kv = free_port_block(2), free_port_block(4)
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", "from smart_epp.epp.cli import main; main()",
         "sim", "--pods", "2", "--base-port", str(base), "--kv-events-port", str(kv),
-        "--replay-port", str(free_port()), "--time-scale", "0.01",
+        "--replay-port", str(kv + 2), "--time-scale", "0.01",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:

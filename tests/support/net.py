@@ -14,6 +14,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_block(count: int, attempts: int = 50) -> int:
+    """First of `count` consecutive free ports, for tools that take a base port."""
+    for _ in range(attempts):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no block of {count} consecutive free ports found")
+
+
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.2)
@@ -29,8 +50,12 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
         time.sleep(0.02)
 
 
+# A poll deadline, not a cancellation scope: the predicate is cheap and must not be cancelled
+# halfway, so asyncio.timeout() does not fit here.
 async def async_wait_until(
-    predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 10.0, what: str = ""
+    predicate: Callable[[], bool | Awaitable[bool]],
+    timeout: float = 10.0,  # noqa: ASYNC109
+    what: str = "",
 ) -> None:
     deadline = time.monotonic() + timeout
     while True:
