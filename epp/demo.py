@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from rich.console import Console
 
 DEMO_MODEL = "demo-model"
@@ -243,8 +244,25 @@ def running_stack(pods: int, console: Console) -> Iterator[Stack]:
             "--log-level",
             "warning",
         ]
-        for address in addresses:
-            serve_args += ["--endpoint", address]
+        # An endpoints file names each pod's KV-event and replay sockets, which the
+        # --endpoint flag cannot.
+        endpoints_file = workdir / "endpoints.yaml"
+        endpoints_file.write_text(
+            yaml.safe_dump(
+                {
+                    "endpoints": [
+                        {
+                            "address": address,
+                            "kv_events": f"tcp://127.0.0.1:{kv_base + i}",
+                            "kv_replay": f"tcp://127.0.0.1:{kv_base + pods + i}",
+                            "labels": {"model": DEMO_MODEL},
+                        }
+                        for i, address in enumerate(addresses)
+                    ]
+                }
+            )
+        )
+        serve_args += ["--endpoints-file", str(endpoints_file)]
         epp = group.start("epp", epp_argv(*serve_args))
         wait_for("epp", lambda: http_ok(f"http://127.0.0.1:{metrics_port}/metrics"), epp)
         console.print("[bold]starting[/bold] Envoy ...")

@@ -40,6 +40,8 @@ class EnvoyOptions:
     bypass_backend: str | None = None
     message_timeout_s: float = 30.0
     epp_health_interval_s: float = 1.0
+    # Concurrent ext_proc streams to epp, i.e. requests in flight through the gateway.
+    epp_max_streams: int = 100_000
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -84,6 +86,7 @@ def render_envoy_config(options: EnvoyOptions) -> str:
         max_body_bytes=options.max_body_bytes,
         message_timeout_s=options.message_timeout_s,
         epp_health_interval_s=options.epp_health_interval_s,
+        epp_max_streams=options.epp_max_streams,
         fallback_endpoints=fallback,
         bypass_backend=_split(options.bypass_backend) if options.bypass_backend else None,
     )

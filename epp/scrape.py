@@ -8,12 +8,15 @@ pods makes a general parser (prometheus_client's takes ~10 ms a page) the bottle
 `MetricsScraper` polls every pod of a datastore concurrently over one keep-alive HTTP
 session (one task per pod, so a slow pod delays only itself). A pod whose scrape fails
 `failure_threshold` times in a row is marked not ready — it leaves the candidate set —
-and comes back with its first good scrape.
+and comes back with its first good scrape. A pod whose `process_start_time_seconds`
+changes between two scrapes restarted; `on_restart` hears of it (the KV index then drops
+what the old process published, even if the event stream never showed the restart).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
@@ -32,6 +35,11 @@ SCRAPES = Counter("smart_epp_metrics_scrapes_total", "Pod /metrics scrapes by ou
 MALFORMED_LINES = Counter(
     "smart_epp_metrics_malformed_lines_total",
     "Lines of a pod /metrics page with a known name that could not be parsed (dropped)",
+)
+POD_RESTARTS = Counter(
+    "smart_epp_pod_restarts_total",
+    "Pod restarts seen as a new process_start_time_seconds on the pod's /metrics",
+    ["pod"],
 )
 SCRAPE_DURATION = Histogram(
     "smart_epp_metrics_scrape_duration_seconds",
@@ -62,6 +70,7 @@ _MAXED = {
 }
 _LORA_INFO = "vllm:lora_requests_info"
 _CACHE_CONFIG = "vllm:cache_config_info"
+_PROCESS_START = "process_start_time_seconds"
 _KNOWN = frozenset((*_SUMMED, *_MAXED, _LORA_INFO, _CACHE_CONFIG))
 _INTEGER_FIELDS = frozenset(("waiting", "running"))
 
@@ -148,6 +157,8 @@ def parse_vllm_metrics(text: str) -> PodMetrics:
             out.waiting_adapters = _adapters(labels.get("waiting_lora_adapters", ""))
             max_lora = labels.get("max_lora", "0") or "0"
             out.max_loras = int(max_lora) if max_lora.isdigit() else 0
+    for _, value in _samples(text, _PROCESS_START):
+        out.process_start_time = value
     for raw_labels, _ in _samples(text, _CACHE_CONFIG):
         labels = _labels(raw_labels)
         if labels.get("block_size", "").isdigit():
@@ -189,8 +200,12 @@ class MetricsScraper:
         *,
         clock: Callable[[], float] = time.monotonic,
         session_factory: Callable[[], aiohttp.ClientSession] | None = None,
+        on_restart: Callable[[PodState], None] | None = None,
     ) -> None:
         self._list_pods = pod_lister(datastore)
+        # Called when a pod's process_start_time_seconds changes between two scrapes: the
+        # pod restarted, even if nothing else (e.g. its KV-event numbering) showed it.
+        self.on_restart = on_restart
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.stale_after_s = stale_after_s
@@ -243,6 +258,8 @@ class MetricsScraper:
             if address not in current:
                 self._tasks.pop(address).cancel()
                 self._unready_by_us.discard(address)
+                with contextlib.suppress(KeyError):
+                    POD_RESTARTS.remove(address)
         for address in current:
             if address not in self._tasks:
                 self._tasks[address] = asyncio.create_task(
@@ -291,12 +308,25 @@ class MetricsScraper:
         SCRAPE_DURATION.observe(time.perf_counter() - started)
         SCRAPES.labels("ok").inc()
         metrics.scraped_at = self.clock()
+        previous_start = pod.metrics.process_start_time
         pod.metrics = metrics
+        started_at = metrics.process_start_time
+        if previous_start is not None and started_at is not None and started_at != previous_start:
+            self._restarted(pod)
         if pod.address in self._unready_by_us:
             self._unready_by_us.discard(pod.address)
             pod.ready = True
             log.info("pod %s answers /metrics again; back in the candidate set", pod.address)
         return True
+
+    def _restarted(self, pod: PodState) -> None:
+        POD_RESTARTS.labels(pod.address).inc()
+        log.info("pod %s restarted (new process_start_time_seconds)", pod.address)
+        if self.on_restart is not None:
+            try:
+                self.on_restart(pod)
+            except Exception:
+                log.exception("restart listener failed for %s", pod.address)
 
     def _failed(self, pod: PodState, exc: BaseException) -> None:
         pod.metrics.consecutive_failures += 1

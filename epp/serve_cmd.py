@@ -1,24 +1,48 @@
 """`epp serve`: the endpoint picker as a process. `serve()` is the one place where the
-datastore, discovery, scheduler and server are put together."""
+datastore, discovery, model catalog, metrics scraper, KV-event ingestion, block index,
+scheduler and server are put together.
+
+Every Prometheus series of the process (the gateway's own, the scheduler's, the
+scraper's, the KV index's, the model catalog's) is served on the one --metrics-port.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from smart_epp.epp.config import BUILTIN_CONFIGS, ConfigError, load_config
 from smart_epp.epp.datastore import Datastore
 from smart_epp.epp.discovery import EndpointsFileWatcher, endpoints_from_addresses, parse_address
-from smart_epp.epp.request_parser import no_adapters
-from smart_epp.epp.round_robin import RoundRobinScheduler
-from smart_epp.epp.server import DEFAULT_MAX_BODY_BYTES, EppServer, ServerOptions, build_server
+from smart_epp.epp.gateway_metrics import GatewayMetrics
+from smart_epp.epp.model_catalog import ModelCatalog, ModelCatalogPoller, ServedModels
+from smart_epp.epp.model_routing import ServedModelScheduler
+from smart_epp.epp.scheduler import build_scheduler
+from smart_epp.epp.scrape import MetricsScraper
+from smart_epp.epp.server import DEFAULT_MAX_BODY_BYTES, EppServer, ServerOptions
+from smart_epp.epp.tokenization import TokenizerRouter
+from smart_epp.epp.types import PodState
+from smart_epp.kv_index.api import BlockIndex
+from smart_epp.kv_index.ingest import IngestState
+from smart_epp.kv_index.manager import KVEventManager
+from smart_epp.kv_index.memory import DEFAULT_CAPACITY, MemoryBlockIndex
+from smart_epp.kv_index.redis_backend import RedisBlockIndex
 
 log = logging.getLogger(__name__)
+
+KVEventsMode = Literal["dial", "central", "off"]
+KVIndexKind = Literal["memory", "redis"]
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 @dataclass
@@ -27,13 +51,87 @@ class ServeOptions:
     health_port: int = 9003
     metrics_port: int = 9090
     host: str = "0.0.0.0"
-    # EndpointPickerConfig YAML; None means the built-in default.
-    config: Path | None = None
+    # EndpointPickerConfig: a YAML path or a built-in name; None means the built-in default.
+    config: Path | str | None = None
     endpoints: list[str] = field(default_factory=list)
     endpoints_file: Path | None = None
     endpoints_poll_s: float = 0.5
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     pool_name: str = "default"
+    # Base model for KV key scope when no topic or endpoint label names it; None = the
+    # base model each pod lists on /v1/models.
+    model: str | None = None
+    kv_events_mode: KVEventsMode = "dial"
+    kv_events_bind: str = "tcp://*:5557"
+    kv_events_port: int = 5557  # dial mode, for endpoints that name no kv_events
+    kv_replay_port: int = 5558  # for endpoints that name no kv_replay
+    kv_index: KVIndexKind = "memory"
+    kv_index_capacity: int = DEFAULT_CAPACITY
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    scrape_interval_s: float = 0.05
+    models_poll_s: float = 2.0
+
+
+class _ForeignMetrics(Collector):
+    """Serves another registry's series (the process-wide default one, where the
+    scraper, KV-index, tokenizer and catalog metrics live) from the gateway's registry,
+    minus the names the gateway's registry already has."""
+
+    def __init__(self, source: CollectorRegistry, own: CollectorRegistry) -> None:
+        self._source = source
+        self._skip = {family.name for family in own.collect()}
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            if family.name not in self._skip:
+                yield family
+
+
+def _warn_on_shared_default_sockets(pods: list[PodState], port: int) -> None:
+    """Pods without their own kv_events are dialled at <host>:port; pods sharing a host
+    would all hear one publisher and share its blocks, so say so."""
+    hosts: dict[str, int] = {}
+    for pod in pods:
+        if pod.endpoint.kv_events is None:
+            host = pod.address.rsplit(":", 1)[0]
+            hosts[host] = hosts.get(host, 0) + 1
+    for host, count in hosts.items():
+        if count > 1:
+            log.warning(
+                "%d endpoints on %s name no kv_events; they would all subscribe to "
+                "tcp://%s:%d. List each pod's kv_events and kv_replay in --endpoints-file.",
+                count,
+                host,
+                host,
+                port,
+            )
+
+
+def _build_index(options: ServeOptions) -> BlockIndex:
+    if options.kv_index == "redis":
+        return RedisBlockIndex.from_url(options.redis_url, capacity=options.kv_index_capacity)
+    return MemoryBlockIndex(options.kv_index_capacity)
+
+
+class _Background:
+    """Fire-and-forget tasks that are still cancelled and awaited at shutdown."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def keep(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.add(task)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def serve(
@@ -43,17 +141,75 @@ async def serve(
     on_started: Callable[[EppServer], None] | None = None,
 ) -> None:
     """Runs the picker until `stop` is set (or SIGINT/SIGTERM when no event is given)."""
+    loaded = load_config(options.config)  # a bad config fails before anything starts
     datastore = Datastore()
-    background: list[asyncio.Task[None]] = []
+    background = _Background()
+    metrics = GatewayMetrics(options.pool_name, lambda: len(datastore.ready_pods()))
 
-    scheduler = RoundRobinScheduler()
-    server = build_server(
-        scheduler,
-        datastore,
-        adapter_resolver=no_adapters,
-        options=ServerOptions(max_body_bytes=options.max_body_bytes, pool_name=options.pool_name),
+    index = _build_index(options)
+    ingest = IngestState()
+    catalog = ModelCatalog(datastore.pods)
+
+    def scope_model(address: str) -> str | None:
+        """The base model a pod's KV keys are scoped by (the same rule on every replica)."""
+        pod = datastore.get(address)
+        label = pod.endpoint.label("model") if pod is not None else None
+        return ingest.model(address) or label or options.model or catalog.base_model_of_pod(address)
+
+    scheduler = build_scheduler(
+        loaded,
+        index=index,
+        ingest_state=ingest,
+        model_of=scope_model,
+        base_model=options.model,
+        registry=metrics.registry,
+        record_e2e=False,  # the server times the whole scheduling call under that name
     )
+    events: KVEventManager | None = None
+    if options.kv_events_mode != "off":
+        events = KVEventManager(
+            index,
+            ingest,
+            mode=options.kv_events_mode,
+            bind=options.kv_events_bind,
+            default_model=options.model or "",
+            default_events_port=options.kv_events_port,
+            default_replay_port=options.kv_replay_port,
+            model_of=None
+            if options.model
+            else (lambda endpoint: catalog.base_model_of_pod(endpoint.address)),
+        )
 
+    def models_changed(address: str, served: ServedModels) -> None:
+        base = catalog.base_model_of_pod(address)
+        if base is None or options.model:
+            return
+        tokenizer = scheduler.tokenizer
+        if isinstance(tokenizer, TokenizerRouter) and tokenizer.base_model is None:
+            tokenizer.base_model = base  # adapter requests use their base's tokenizer
+        if events is not None:
+            background.spawn(events.set_model(address, base))
+
+    poller = ModelCatalogPoller(catalog, options.models_poll_s, on_change=models_changed)
+
+    def pod_restarted(pod: PodState) -> None:
+        if events is not None:
+            background.spawn(events.reset_pod(pod.address))
+        poller.refresh_soon(pod.address)
+
+    scraper = MetricsScraper(
+        datastore, interval_s=options.scrape_interval_s, on_restart=pod_restarted
+    )
+    server = EppServer(
+        ServedModelScheduler(scheduler, catalog),
+        datastore,
+        adapter_resolver=catalog.resolve_adapter,
+        options=ServerOptions(max_body_bytes=options.max_body_bytes, pool_name=options.pool_name),
+        metrics=metrics,
+    )
+    metrics.registry.register(_ForeignMetrics(REGISTRY, metrics.registry))
+
+    datastore.add_listener(poller.on_endpoint_added, poller.on_endpoint_removed)
     if options.endpoints:
         datastore.set_endpoints(endpoints_from_addresses(options.endpoints))
     if options.endpoints_file is not None:
@@ -61,10 +217,10 @@ async def serve(
             options.endpoints_file,
             datastore,
             options.endpoints_poll_s,
-            on_error=lambda _exc: server.metrics.discovery_errors.inc(),
+            on_error=lambda _exc: metrics.discovery_errors.inc(),
         )
         watcher.poll()  # the first pool is in place before the first request
-        background.append(asyncio.create_task(watcher.run(), name="endpoints-file-watcher"))
+        background.keep(asyncio.create_task(watcher.run(), name="endpoints-file-watcher"))
 
     if stop is None:
         stop = asyncio.Event()
@@ -72,27 +228,52 @@ async def serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
 
-    await server.start(
-        options.grpc_port, options.health_port, options.metrics_port, host=options.host
-    )
-    log.info(
-        "epp serving ext_proc on :%d (health :%d, metrics :%d) with %d endpoints",
-        server.grpc_port,
-        server.health_port,
-        server.metrics_port,
-        len(datastore),
-    )
-    if on_started is not None:
-        on_started(server)
+    if options.kv_events_mode == "dial":
+        _warn_on_shared_default_sockets(datastore.pods(), options.kv_events_port)
+
+    started: list[Callable[[], Coroutine[Any, Any, None]]] = []
     try:
+        # The pool's models first: KV keys are scoped by each pod's base model.
+        await poller.start()
+        started.append(poller.stop)
+        if events is not None:
+            datastore.add_listener(events.on_endpoint_added, events.on_endpoint_removed)
+            await events.start()
+            started.append(events.stop)
+            if events.central_endpoint is not None:
+                log.info("KV events: pods publish to %s", events.central_endpoint)
+        await scraper.start()
+        started.append(scraper.stop)
+        await server.start(
+            options.grpc_port, options.health_port, options.metrics_port, host=options.host
+        )
+        started.append(lambda: server.stop(grace=2.0))
+        log.info(
+            "epp serving ext_proc on :%d (health :%d, metrics :%d) with %d endpoints; "
+            "KV events %s, %s index",
+            server.grpc_port,
+            server.health_port,
+            server.metrics_port,
+            len(datastore),
+            options.kv_events_mode,
+            options.kv_index,
+        )
+        if on_started is not None:
+            on_started(server)
         await stop.wait()
     finally:
-        for task in background:
-            task.cancel()
-        for task in background:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await server.stop(grace=2.0)
+        await background.close()
+        for stop_part in reversed(started):
+            try:
+                await stop_part()
+            except Exception:
+                log.exception("shutdown step failed")
+        await scheduler.aclose()
+        if isinstance(index, RedisBlockIndex):
+            await index.close()
+
+
+# --------------------------------------------------------------------------- CLI
 
 
 def _address(value: str) -> str:
@@ -102,16 +283,60 @@ def _address(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _config(value: str) -> Path | str:
+    path = Path(value)
+    if path.is_file():
+        return path
+    if value in BUILTIN_CONFIGS:
+        return value
+    raise argparse.ArgumentTypeError(
+        f"{value!r} is neither a file nor a built-in config ({', '.join(BUILTIN_CONFIGS)})"
+    )
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(value: str) -> int | float:
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+        if number <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+        return number
+
+    return parse
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="run the endpoint picker (Envoy ext_proc gRPC server)",
         description="Envoy external processor that picks the pod for every OpenAI request.",
+        epilog="Models: every pod's /v1/models is polled; a request is only sent to pods that "
+        "serve its model or LoRA adapter. A model no pod serves is answered 404 (as vLLM "
+        "answers it); a served model with none of its pods available, 503. "
+        "KV events: list each pod's kv_events and kv_replay in --endpoints-file; pods "
+        "without them are dialled at <pod ip>:--kv-events-port / --kv-replay-port, which "
+        "only fits pods with their own IP. A pod whose /metrics reports a new "
+        "process_start_time_seconds restarted: its index entries are dropped and its "
+        "events replayed from 0.",
     )
     parser.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port")
     parser.add_argument("--health-port", type=int, default=9003, help="gRPC health port")
-    parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus port")
-    parser.add_argument("--config", type=Path, default=None, help="EndpointPickerConfig YAML")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9090,
+        help="Prometheus port: gateway, scheduler, scrape, KV-index and model-catalog series",
+    )
+    parser.add_argument(
+        "--config",
+        type=_config,
+        default=None,
+        metavar="FILE|NAME",
+        help="EndpointPickerConfig YAML file, or a built-in config "
+        f"({', '.join(BUILTIN_CONFIGS)}); default: the built-in predicted-TTFT `default`",
+    )
     pool = parser.add_mutually_exclusive_group()
     pool.add_argument(
         "--endpoint",
@@ -131,7 +356,84 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="larger request bodies are answered 413",
     )
     parser.add_argument("--pool-name", default="default", help="label of the pool's metrics")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME",
+        help="base model that scopes KV-block keys when no KV-event topic or endpoint label "
+        "`model` names one (default: the base model each pod lists on /v1/models)",
+    )
+    kv = parser.add_argument_group("KV-cache events and block index")
+    kv.add_argument(
+        "--kv-events-mode",
+        choices=("dial", "central", "off"),
+        default="dial",
+        help="dial (default): subscribe to each endpoint's kv_events publisher; central: bind one "
+        "socket (--kv-events-bind) that pods publish to with topic kv@<ip:port>@<model>; "
+        "off: no subscriptions (e.g. a replica reading a shared Redis index)",
+    )
+    kv.add_argument(
+        "--kv-events-bind",
+        default="tcp://*:5557",
+        metavar="ZMQ_ENDPOINT",
+        help="where the central-mode SUB socket binds (default %(default)s)",
+    )
+    kv.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=5557,
+        help="dial mode: the pod's publisher port when its endpoint names no kv_events "
+        "(default %(default)s)",
+    )
+    kv.add_argument(
+        "--kv-replay-port",
+        type=int,
+        default=5558,
+        help="the pod's replay port when its endpoint names no kv_replay (default %(default)s)",
+    )
+    kv.add_argument(
+        "--kv-index",
+        choices=("memory", "redis"),
+        default="memory",
+        help="block index backend (default memory); redis shares one index between gateway "
+        "replicas and falls back to local state while Redis is unreachable",
+    )
+    kv.add_argument(
+        "--kv-index-capacity",
+        type=_positive(int),
+        default=DEFAULT_CAPACITY,
+        help="most blocks the index holds, least recently used dropped beyond "
+        "(default %(default)s)",
+    )
+    kv.add_argument(
+        "--redis-url",
+        default="redis://127.0.0.1:6379/0",
+        help="Redis server of --kv-index redis (default %(default)s)",
+    )
+    signals = parser.add_argument_group("pod signals")
+    signals.add_argument(
+        "--scrape-interval",
+        type=_positive(float),
+        default=0.05,
+        metavar="SECONDS",
+        help="how often every pod's /metrics is scraped (default %(default)s)",
+    )
+    signals.add_argument(
+        "--models-poll-interval",
+        type=_positive(float),
+        default=2.0,
+        metavar="SECONDS",
+        help="how often every pod's /v1/models (base model, LoRA adapters) is polled "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default="info",
+        help="default info; debug logs one line per decision with every candidate's "
+        "score components",
+    )
     parser.set_defaults(func=run)
 
 
@@ -139,11 +441,13 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if args.config is not None and not args.config.is_file():
-        log.error("config file %s does not exist", args.config)
-        return 2
     if args.endpoints_file is not None and not args.endpoints_file.is_file():
         log.error("endpoints file %s does not exist", args.endpoints_file)
+        return 2
+    try:
+        load_config(args.config)
+    except (ConfigError, OSError, ValueError) as exc:
+        log.error("%s", exc)
         return 2
     options = ServeOptions(
         grpc_port=args.grpc_port,
@@ -154,6 +458,16 @@ def run(args: argparse.Namespace) -> int:
         endpoints_file=args.endpoints_file,
         max_body_bytes=args.max_body_bytes,
         pool_name=args.pool_name,
+        model=args.model,
+        kv_events_mode=args.kv_events_mode,
+        kv_events_bind=args.kv_events_bind,
+        kv_events_port=args.kv_events_port,
+        kv_replay_port=args.kv_replay_port,
+        kv_index=args.kv_index,
+        kv_index_capacity=args.kv_index_capacity,
+        redis_url=args.redis_url,
+        scrape_interval_s=args.scrape_interval,
+        models_poll_s=args.models_poll_interval,
     )
     run_event_loop(serve(options))
     return 0

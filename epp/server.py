@@ -323,10 +323,11 @@ class Exchange:
         ttft = self.first_byte_at - self.picked_at if self.first_byte_at else None
         metrics = gw.metrics
         target = request.adapter or request.model
-        metrics.duration.labels(request.model, target).observe(time.perf_counter() - self._started)
+        objective = metrics.objective(request.model, target)
+        objective.duration.observe(time.perf_counter() - self._started)
         if usage is not None:
-            metrics.input_tokens.labels(request.model, target).observe(usage.prompt_tokens)
-            metrics.output_tokens.labels(request.model, target).observe(usage.completion_tokens)
+            objective.input_tokens.observe(usage.prompt_tokens)
+            objective.output_tokens.observe(usage.completion_tokens)
         if not ok and self.status >= 400 and not self.done:
             metrics.errors.labels(request.model, target, str(self.status)).inc()
         try:
@@ -384,11 +385,14 @@ class EppServer:
     ) -> None:
         exchange = Exchange(self)
         self.active_streams += 1
+        # context.read() rather than `async for` over `requests`: one async-generator
+        # layer less per message, measurably cheaper on grpc.aio.
+        read, write, end = context.read, context.write, grpc.aio.EOF
         try:
-            async for message in requests:
-                replies = await exchange.handle(message)
+            while (message := await read()) is not end:
+                replies = await exchange.handle(message)  # type: ignore[arg-type]
                 for reply in replies:
-                    await context.write(reply)
+                    await write(reply)
                 exchange.after_replies()
                 if exchange.done:
                     return

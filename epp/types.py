@@ -57,6 +57,8 @@ class PodMetrics:
     num_gpu_blocks: int | None = None
     prefix_cache_queries: float = 0.0
     prefix_cache_hits: float = 0.0
+    # `process_start_time_seconds`: a new value means the pod's process restarted.
+    process_start_time: float | None = None
     scraped_at: float = 0.0  # monotonic seconds; 0 = never
     consecutive_failures: int = 0
 

@@ -10,8 +10,15 @@ Replay goes to the endpoint's `kv_replay`, else tcp://<pod ip>:<default_replay_p
 (vLLM offsets both ports by the data-parallel rank).
 
 Key scope model: in central mode the model named in the topic; in dial mode the
-endpoint's label `model` when present, else the manager's `default_model`.
+endpoint's label `model` when present, else `model_of(endpoint)` when given (e.g. the
+base model the pod lists on /v1/models), else the manager's `default_model`.
 Pod identity everywhere is the pod's HTTP address "ip:port".
+
+`reset_pod(address)` drops what a pod published and replays its buffer from 0: for
+restarts that the event stream cannot show (the first batches of the new process lost
+before the SUB reconnected, and nothing published since), seen instead as a new
+process start time on the pod's /metrics. `set_model` re-keys a pod the same way when
+its base model becomes known late.
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ class KVEventManager:
         default_replay_port: int | None = 5558,
         replay_timeout_s: float = 2.0,
         context: zmq.asyncio.Context | None = None,
+        model_of: Callable[[Endpoint], str | None] | None = None,
     ) -> None:
         if mode not in ("dial", "central"):
             raise ValueError(f"unknown KV event mode {mode!r}")
@@ -87,6 +95,7 @@ class KVEventManager:
         self.default_events_port = default_events_port
         self.default_replay_port = default_replay_port
         self.replay_timeout_s = replay_timeout_s
+        self.model_of = model_of
         self._ctx = context or zmq.asyncio.Context.instance()
         self._subs: dict[str, _Subscription] = {}
         self._central_sock: zmq.asyncio.Socket | None = None
@@ -149,7 +158,7 @@ class KVEventManager:
             if existing.endpoint == endpoint:
                 return
             await self.remove_endpoint(endpoint.address)
-        model = endpoint.label("model") or self.default_model
+        model = endpoint.label("model") or self._looked_up_model(endpoint) or self.default_model
         stream = PodEventStream(
             endpoint.address,
             model,
@@ -172,6 +181,49 @@ class KVEventManager:
         self.ingest.forget_pod(address)
         await self.index.clear_pod(address)
         metrics.forget_pod(address)
+
+    async def reset_pod(self, address: str) -> bool:
+        """The pod restarted: forget what it published, reset its sequence tracking and
+        replay its buffer from 0. False when the pod has no subscription."""
+        sub = self._subs.get(address)
+        if sub is None:
+            return False
+        await self._rebuild(sub)
+        return True
+
+    async def set_model(self, address: str, model: str) -> bool:
+        """Re-keys a pod under another base model (its keys depend on it): drops its
+        entries and replays its buffer from 0. False when nothing changed."""
+        sub = self._subs.get(address)
+        if sub is None or not model or sub.stream.model == model:
+            return False
+        if self.mode == "central" or sub.endpoint.label("model"):
+            return False  # the topic or the label names the model; they win
+        log.info("kv events: %s keyed by model %r from now on", address, model)
+        await self._rebuild(sub, model)
+        return True
+
+    async def _rebuild(self, sub: _Subscription, model: str | None = None) -> None:
+        stream = sub.stream
+        # The stream's lock keeps a live batch from landing between the purge and the
+        # replay; the stream's own restart handling does the same under the same lock.
+        async with stream._lock:
+            await stream._reset()
+            if model is not None:
+                stream.model = model
+                self.ingest.register_pod(stream.pod, model)
+            stream._replay_blocked_until = 0.0  # a restarted pod deserves a fresh try
+            for rank in sorted(stream._trackers) or [0]:
+                await stream._replay(rank, 0, None)
+
+    def _looked_up_model(self, endpoint: Endpoint) -> str | None:
+        if self.model_of is None or self.mode == "central":
+            return None
+        try:
+            return self.model_of(endpoint)
+        except Exception:
+            log.exception("kv events: model lookup failed for %s", endpoint.address)
+            return None
 
     def stream(self, address: str) -> PodEventStream | None:
         sub = self._subs.get(address)

@@ -174,12 +174,17 @@ def streamed_response_body(chunk: bytes, end_of_stream: bool) -> list[Reply]:
 
 
 def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return _SMALL_VARINTS[value]
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+_SMALL_VARINTS = tuple(bytes((n,)) for n in range(0x80))
 
 
 def _length_delimited_tag(message: Any, field: str) -> bytes:
@@ -258,10 +263,11 @@ def immediate_response(
 
 def headers_of(http_headers: Any) -> dict[str, str]:
     """Header map of an HttpHeaders message; Envoy sends values in `raw_value` bytes."""
-    return {
-        h.key: h.raw_value.decode("latin-1") if h.raw_value else h.value
-        for h in http_headers.headers.headers
-    }
+    headers: dict[str, str] = {}
+    for header in http_headers.headers.headers:
+        raw = header.raw_value  # each field read is a upb lookup: read it once
+        headers[header.key] = raw.decode("latin-1") if raw else header.value
+    return headers
 
 
 def body_modes(message: ProcessingRequest) -> tuple[BodyMode, BodyMode] | None:

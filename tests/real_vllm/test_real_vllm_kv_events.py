@@ -35,6 +35,7 @@ def run_completion_and_collect(
         # Only blocks vLLM did not already hold are published, prompt blocks first (one
         # batch per engine step); stop once all of them did.
         new = full - response["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert new > 0, "the prompt has no new full block: nothing would be published"
         batches = sub.collect_until(lambda got: len(stored_tokens(got)) >= new)
     return response, prompt_ids, batches
 
@@ -66,8 +67,9 @@ def test_prompt_blocks_arrive_as_block_stored_with_vllm_hashes(pod_a: VllmPod) -
 def test_reused_prefix_publishes_only_new_blocks(pod_a: VllmPod) -> None:
     prefix = unique_prompt("reuse", words=120)
     _, first_ids, _ = run_completion_and_collect(pod_a, prefix + " first tail")
+    # A tail of ~100 tokens: at least two blocks past the shared part are new.
     response, second_ids, batches = run_completion_and_collect(
-        pod_a, prefix + " a different tail that is long enough to fill more of a block"
+        pod_a, prefix + " " + unique_prompt("tail", words=40)
     )
     shared_blocks = 0
     while (end := (shared_blocks + 1) * BLOCK_SIZE) and first_ids[:end] == second_ids[:end]:

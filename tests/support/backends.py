@@ -61,6 +61,7 @@ class EchoBackend:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_route("POST", "/{tail:.*}", self._answer)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -81,6 +82,15 @@ class EchoBackend:
     async def _models(self, request: web.Request) -> web.Response:
         self._record(request, b"")
         return web.json_response({"object": "list", "data": [], "backend": self.name})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        # The scheduler's signals with vLLM's names: an idle server, always ready.
+        page = (
+            "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+            "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0.0\n"
+            "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.0\n"
+        )
+        return web.Response(text=page, content_type="text/plain")
 
     def _record(self, request: web.Request, body: bytes) -> Received:
         entry = Received(

@@ -1,0 +1,52 @@
+"""Envoy's cap on concurrent ext_proc streams to epp: each request in flight holds one
+stream until its response ends, so the cap is the gateway's concurrent-request limit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import yaml
+from conftest import gateway
+from support.net import async_wait_until
+
+from smart_epp.epp.envoy_cmd import EnvoyOptions, render_envoy_config
+
+pytestmark = pytest.mark.envoy
+
+# Envoy's own default per-cluster limit, which long LLM responses would exhaust.
+ENVOY_DEFAULT_MAX_REQUESTS = 1024
+
+
+def epp_thresholds(options: EnvoyOptions) -> dict[str, int]:
+    config = yaml.safe_load(render_envoy_config(options))
+    epp = next(c for c in config["static_resources"]["clusters"] if c["name"] == "epp")
+    return epp["circuit_breakers"]["thresholds"][0]
+
+
+def test_default_stream_cap_is_far_above_envoys_default() -> None:
+    thresholds = epp_thresholds(EnvoyOptions())
+    assert thresholds["max_requests"] >= 50 * ENVOY_DEFAULT_MAX_REQUESTS
+    assert thresholds["max_pending_requests"] == thresholds["max_requests"]
+    assert epp_thresholds(EnvoyOptions(epp_max_streams=7))["max_requests"] == 7
+
+
+async def test_the_stream_cap_governs_concurrent_requests() -> None:
+    async with gateway("full-duplex", backends=1, epp_max_streams=2) as gw:
+        url = f"{gw.url}/v1/completions"
+        slow = {"x-sse-delay-ms": "300"}
+        body = {"model": "tiny", "prompt": "hold", "stream": True}
+
+        async def held() -> int:
+            async with gw.http.post(url, json=body, headers=slow) as response:
+                await response.read()
+                return response.status
+
+        holders = [asyncio.create_task(held()) for _ in range(2)]
+        await async_wait_until(lambda: gw.server.active_streams == 2, what="two held streams")
+        async with gw.http.post(url, json={"model": "tiny", "prompt": "third"}) as response:
+            assert response.status >= 500  # no stream to epp: failure mode close refuses it
+        assert await asyncio.gather(*holders) == [200, 200]
+        await async_wait_until(lambda: gw.server.active_streams == 0, what="streams closed")
+        async with gw.http.post(url, json={"model": "tiny", "prompt": "after"}) as response:
+            assert response.status == 200

@@ -1,0 +1,140 @@
+"""The model catalog: vLLM's /v1/models parsed, adapter resolution, candidate narrowing,
+and the poller against real simulated pods over HTTP."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import pytest
+from serve_stack import MODEL, sim_pods
+from support.paths import VLLM_FIXTURES
+
+from smart_epp.epp.datastore import Datastore
+from smart_epp.epp.errors import RequestError
+from smart_epp.epp.model_catalog import (
+    ModelCatalog,
+    ModelCatalogPoller,
+    ServedModels,
+    parse_models,
+)
+from smart_epp.epp.model_routing import ServedModelScheduler
+from smart_epp.epp.types import Api, Decision, Endpoint, LLMRequest, PodMetrics, PodState, Usage
+
+
+def test_vllm_model_list_gives_base_model_and_adapters_with_parent() -> None:
+    served = parse_models(json.loads((VLLM_FIXTURES / "lora" / "models.json").read_text()))
+    assert served.base == {"tiny"}
+    assert served.adapters == {"lora-a": "tiny", "lora-b": "tiny"}
+    basic = parse_models(json.loads((VLLM_FIXTURES / "basic" / "models.json").read_text()))
+    assert basic.adapters == {} and len(basic.base) == 1
+
+
+@pytest.mark.parametrize(
+    "document",
+    [[], {"object": "list"}, {"data": [{"object": "model"}]}, {"data": [{"id": "a", "parent": 3}]}],
+)
+def test_malformed_model_lists_are_refused(document: object) -> None:
+    with pytest.raises(ValueError):
+        parse_models(document)
+
+
+def _pod(address: str, running: Sequence[str] = ()) -> PodState:
+    return PodState(Endpoint(address), metrics=PodMetrics(running_adapters=frozenset(running)))
+
+
+def test_resolution_and_servers() -> None:
+    pods = [_pod("10.0.0.1:8000"), _pod("10.0.0.2:8000", running=["hot"])]
+    catalog = ModelCatalog(lambda: pods)
+    # Nothing known yet: pass everything through, narrow nothing.
+    assert catalog.resolve_adapter("anything") is None
+    assert catalog.servers("anything") is None
+    # A server that lists no model says nothing either.
+    assert not catalog.update("10.0.0.3:8000", ServedModels(frozenset(), {}))
+    assert catalog.servers("anything") is None
+
+    assert catalog.update("10.0.0.1:8000", ServedModels(frozenset({"base"}), {"a": "base"}))
+    assert catalog.update("10.0.0.2:8000", ServedModels(frozenset({"base"}), {}))
+    assert not catalog.update("10.0.0.2:8000", ServedModels(frozenset({"base"}), {}))
+    assert catalog.resolve_adapter("base") is None
+    assert catalog.resolve_adapter("a") == "a"
+    assert catalog.resolve_adapter("hot") == "hot"  # from the scraped lora_requests_info
+    with pytest.raises(RequestError) as refused:
+        catalog.resolve_adapter("missing")
+    assert refused.value.status == 404 and "missing" in refused.value.message
+    assert catalog.servers("a") == {"10.0.0.1:8000"}
+    assert catalog.servers("hot") == {"10.0.0.2:8000"}
+    assert catalog.servers("base") == {"10.0.0.1:8000", "10.0.0.2:8000"}
+    assert catalog.servers("missing") == set()
+    assert catalog.base_model_of_pod("10.0.0.1:8000") == "base"
+    assert catalog.parent_of("a") == "base"
+
+    catalog.forget("10.0.0.1:8000")
+    assert catalog.servers("a") == set()
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.seen: list[list[str]] = []
+
+    async def schedule(self, request: LLMRequest, candidates: Sequence[PodState]) -> Decision:
+        self.seen.append([p.address for p in candidates])
+        return Decision(endpoints=list(candidates))
+
+    def on_routed(self, request: LLMRequest, decision: Decision) -> None:
+        pass
+
+    def on_response(
+        self, request: LLMRequest, address: str, usage: Usage | None, ttft: float | None, ok: bool
+    ) -> None:
+        pass
+
+
+async def test_candidates_are_narrowed_to_the_pods_serving_the_model() -> None:
+    pods = [_pod("10.0.0.1:8000"), _pod("10.0.0.2:8000")]
+    catalog = ModelCatalog(lambda: pods)
+    inner = _Recorder()
+    scheduler = ServedModelScheduler(inner, catalog)
+
+    def request(model: str, adapter: str | None = None) -> LLMRequest:
+        return LLMRequest("r", "/v1/completions", Api.COMPLETIONS, model, adapter=adapter)
+
+    await scheduler.schedule(request("x"), pods)
+    assert inner.seen[-1] == ["10.0.0.1:8000", "10.0.0.2:8000"]  # nothing known: all
+    catalog.update("10.0.0.1:8000", ServedModels(frozenset({"base"}), {"a": "base"}))
+    catalog.update("10.0.0.2:8000", ServedModels(frozenset({"base"}), {}))
+    await scheduler.schedule(request("a", "a"), pods)
+    assert inner.seen[-1] == ["10.0.0.1:8000"]
+    await scheduler.schedule(request("base"), pods)
+    assert inner.seen[-1] == ["10.0.0.1:8000", "10.0.0.2:8000"]
+    # The only pod with the adapter is not a candidate right now: no endpoint (503).
+    decision = await scheduler.schedule(request("a", "a"), pods[1:])
+    assert decision.endpoints == [] and len(inner.seen) == 3
+
+
+async def test_poller_learns_each_pods_models_and_keeps_them_through_a_failure() -> None:
+    async with sim_pods(3) as pool:
+        datastore = Datastore()
+        catalog = ModelCatalog(datastore.pods)
+        changes: list[str] = []
+        poller = ModelCatalogPoller(
+            catalog, interval_s=0.05, on_change=lambda address, _: changes.append(address)
+        )
+        datastore.add_listener(poller.on_endpoint_added, poller.on_endpoint_removed)
+        datastore.set_endpoints([Endpoint(p.http_address) for p in pool.pods])
+        await poller.start()
+        try:
+            first, _, third = (p.http_address for p in pool.pods)
+            # The first round is done when start() returns.
+            assert catalog.served_by(third) == ServedModels(frozenset({MODEL}), {"lora-a": MODEL})
+            assert catalog.servers("lora-b") == {first}
+            assert sorted(changes) == sorted(p.http_address for p in pool.pods)
+
+            await pool.pods[2].runner.cleanup()  # the pod stops answering HTTP
+            assert not await poller.refresh(third)
+            assert catalog.servers("lora-a") == {third}  # a failed poll forgets nothing
+
+            datastore.set_endpoints([Endpoint(first)])  # the pod leaves the pool
+            assert catalog.servers("lora-a") == set()
+        finally:
+            await poller.stop()
