@@ -38,14 +38,13 @@ def _started_pids(output: str) -> list[int]:
 def test_process_group_stops_what_it_started(tmp_path: Path) -> None:
     group = ProcessGroup(tmp_path)
     # A child that ignores SIGTERM must still be gone after stop_all (SIGKILL follows).
-    stubborn = group.start(
-        "stubborn",
-        [
-            sys.executable,
-            "-c",
-            "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)",
-        ],  # noqa: E501
+    ignore_term = (
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('up', flush=True)\n"
+        "time.sleep(60)\n"
     )
+    stubborn = group.start("stubborn", [sys.executable, "-c", ignore_term])
     polite = group.start("polite", [sys.executable, "-c", "import time; time.sleep(60)"])
     wait_until(lambda: "up" in stubborn.log_path.read_text(), 10, "child ready")
     group.stop_all(timeout_s=1.0)

@@ -230,9 +230,8 @@ def epp_process(log_path: Path, *args: str) -> Iterator[EppProcess]:
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
-            import time as _t; _t0=_t.time()
             try:
-                proc.wait(timeout=15); print("exited", log_path.name, _t.time()-_t0, flush=True)
+                proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -319,5 +318,3 @@ async def gateway(epp: EppProcess, pool: SimPool) -> AsyncIterator[Gateway]:
         aiohttp.ClientSession() as http,
     ):
         yield Gateway(pool, epp, envoy, http)
-        import time as _t; print("gw body done", _t.strftime("%T"), flush=True)
-    print("gw exit", __import__("time").strftime("%T"), flush=True)

@@ -201,8 +201,17 @@ async def test_e_central_mode_learns_every_pod_from_one_bound_socket(tmp_path: P
         ) as epp:  # fmt: skip
             async with gateway(epp, pool) as gw:
                 prefixes = {1: text(21, 500), 2: text(22, 500)}
+                import time as _t
+                print("T0", _t.time(), flush=True)
                 for i, prefix in prefixes.items():
-                    await gw.warm(i, f"{prefix} warm")
+                    try:
+                        await gw.warm(i, f"{prefix} warm")
+                    except TimeoutError:
+                        print("FAILED", i, pool.pods[i].http_address, _t.time(), flush=True)
+                        await gw.direct(i, {"model": MODEL, "prompt": "again " + prefix, "max_tokens": 1})
+                        await asyncio.sleep(2)
+                        print("\n".join(l for l in (await gw.metrics()).splitlines() if "smart_epp_kv" in l and "_total" in l and not l.startswith("#") and pool.pods[i].http_address in l), flush=True)
+                        raise
                 for n in range(2):
                     for i, prefix in prefixes.items():
                         body = {"model": MODEL, "prompt": f"{prefix} q{n}", "max_tokens": 2}
