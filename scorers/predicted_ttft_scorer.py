@@ -14,8 +14,21 @@ For each candidate pod:
 `uncached` comes from the KV index (tokens held at the pod's block size). `backlog` is
 the larger of (a) the prefill work this gateway routed to the pod, draining at the pod's
 rate since, and (b) the pod's scraped waiting queue times the mean uncached prompt size.
-Prefill and decode rates are learned per pod from observed TTFTs and completion times
-(EWMA), starting from the pod's own hint or the configured defaults.
+The prefill rate is learned per pod from observed TTFTs, but only from requests that
+met a short queue (the gateway's own routed work and the scraped waiting queue both
+small) and needed no adapter load: a TTFT that mostly measured queueing or a LoRA load
+says nothing about prefill speed, and learning it made busy pods look slow and idle pods
+look impossibly fast. The estimate is the median of a window of recent samples, held
+within `rateBand` x the prior (the pod's own hint, else `prefillTokensPerSecond`) until
+`rateTrustSamples` samples agree to within 2x; then it follows them. Decode time per token
+is a plain EWMA of (completion time - TTFT) / output tokens.
+
+vLLM always computes the prompt's last token, so a pod reuses at most
+(prompt - 1) // block_size full blocks, however much of the prompt it holds.
+
+When the pod has no free KV cache for the prompt (or no free LoRA slot), the request
+waits for running requests to finish: the wait grows with how many must finish, at
+about one completion per (mean decode time / running requests).
 
 The hot-spot term keeps one prefix shared by every request from piling all load onto the
 pod that cached it first (the cache-aware routers' balance rule, made gradual): past
@@ -57,7 +70,13 @@ class PredictedTTFTParams(PluginParams):
     hotspotSlack: float = Field(default=8.0, ge=0)
     hotspotPenaltySeconds: float = Field(default=0.1, ge=0)
     learningRate: float = Field(default=0.2, gt=0, le=1)
-    minSampleTokens: int = Field(default=32, ge=1)
+    minSampleTokens: int = Field(default=256, ge=1)
+    # A TTFT sample teaches the prefill rate only when the queue ahead of the request was
+    # at most this many times its own uncached tokens.
+    learnMaxQueueRatio: float = Field(default=0.5, ge=0)
+    rateWindow: int = Field(default=32, ge=1)
+    rateBand: float = Field(default=4.0, ge=1)
+    rateTrustSamples: int = Field(default=5, ge=1)
     staleAfterSeconds: float = Field(default=1.0, gt=0)
     blockSize: int | None = Field(default=None, gt=0)
 
@@ -67,7 +86,9 @@ class PodModel:
     """What has been learned about one pod."""
 
     prefill_tok_per_s: float | None = None
+    rate_samples: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     decode_s_per_token: float | None = None
+    prior_tok_per_s: float | None = None  # the pod's hint when first seen
     backlog_tokens: float = 0.0  # routed prefill work, as of `backlog_at`
     backlog_at: float = 0.0
     # When this gateway's requests to the pod ended: a scrape taken before that still
@@ -88,6 +109,8 @@ class Routed:
     address: str
     work_tokens: float  # backlog + uncached at routing time
     routed_at: float
+    step_s: float = 0.0  # decode-batch share of the predicted wait
+    learnable: bool = True  # short queue ahead and no adapter load: a clean prefill sample
 
 
 @dataclass(slots=True)
@@ -95,10 +118,32 @@ class Prediction:
     ttft_s: list[float]
     uncached: list[float]
     work: list[float]
+    step_s: list[float]
+    learnable: list[bool]
 
 
 def _ewma(old: float | None, sample: float, alpha: float) -> float:
     return sample if old is None else old + alpha * (sample - old)
+
+
+def reusable_tokens(prompt_tokens: int, held_blocks: int, block_size: int) -> int:
+    """Prompt tokens a pod can skip: whole held blocks, but never the last prompt token,
+    which vLLM always recomputes to produce the first output token."""
+    if block_size <= 0 or held_blocks <= 0 or prompt_tokens <= 1:
+        return 0
+    return min(held_blocks, (prompt_tokens - 1) // block_size) * block_size
+
+
+def robust_rate(samples: Sequence[float], prior: float, band: float, trust_after: int) -> float:
+    """The median of recent prefill-rate samples, held within `band` x `prior` until at
+    least `trust_after` samples agree (interquartile ratio within 2x)."""
+    ordered = sorted(samples)
+    n = len(ordered)
+    mid = n // 2
+    median = ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+    if n >= trust_after and ordered[(3 * n) // 4 if n > 1 else 0] <= 2.0 * ordered[n // 4]:
+        return median
+    return min(prior * band, max(prior / band, median))
 
 
 @register_plugin()
@@ -114,15 +159,21 @@ class PredictedTTFTScorer(Scorer):
         self.pods: dict[str, PodModel] = {}
         self._pending: OrderedDict[str, Routed] = OrderedDict()
         self.mean_uncached_tokens = params.meanPromptTokens
+        self.mean_prompt_tokens = params.meanPromptTokens
         self.mean_output_tokens = params.meanOutputTokens
 
     # ------------------------------------------------------------------ model
+
+    def prior_rate(self, pod: PodState) -> float:
+        """The prefill rate to assume before learning: the pod's own hint, else the
+        configured rate."""
+        return pod.prefill_tok_per_s or self.params.prefillTokensPerSecond
 
     def prefill_rate(self, pod: PodState) -> float:
         model = self.pods.get(pod.address)
         if model is not None and model.prefill_tok_per_s is not None:
             return model.prefill_tok_per_s
-        return pod.prefill_tok_per_s or self.params.prefillTokensPerSecond
+        return self.prior_rate(pod)
 
     def decode_s_per_token(self, address: str) -> float:
         model = self.pods.get(address)
@@ -153,7 +204,11 @@ class PredictedTTFTScorer(Scorer):
         cpu_rate = p.cpuTierTokensPerSecond
         kv_full = p.kvFullUsage
         half_output = 0.5 * self.mean_output_tokens
+        mean_output = self.mean_output_tokens
         mean_uncached = self.mean_uncached_tokens
+        request_kv_tokens = self.mean_prompt_tokens + mean_output
+        learn_ratio = p.learnMaxQueueRatio
+        prompt_len = ctx.prompt_tokens
         explain = ctx.components if ctx.explain else None
 
         fresh: list[bool] = []
@@ -170,6 +225,8 @@ class PredictedTTFTScorer(Scorer):
         ttfts: list[float] = []
         uncached_list: list[float] = []
         work_list: list[float] = []
+        step_list: list[float] = []
+        learnable_list: list[bool] = []
         for pod, ok, load in zip(pods, fresh, loads, strict=True):
             address = pod.endpoint.address
             m = pod.metrics
@@ -183,13 +240,16 @@ class PredictedTTFTScorer(Scorer):
             cpu_s = 0.0
             held = hits.get(address)
             if held is not None and held.blocks > 0:
-                hit_tokens = min(prompt, float(held.blocks * block_sizes.get(address, 0)))
+                hit_tokens = float(
+                    reusable_tokens(prompt_len, held.blocks, block_sizes.get(address, 0))
+                )
                 if held.medium == "CPU":
                     cpu_s = hit_tokens / cpu_rate
             uncached = prompt - hit_tokens
             backlog = 0.0
             if model is not None and model.backlog_tokens > 0:
                 backlog = max(0.0, model.backlog_tokens - rate * (now - model.backlog_at))
+            waiting = 0
             if ok and m.waiting:
                 waiting = m.waiting
                 if model is not None and m.scraped_at > 0.0:
@@ -197,38 +257,48 @@ class PredictedTTFTScorer(Scorer):
                 backlog = max(backlog, waiting * mean_uncached)
             # Between scrapes the gateway's own sends are the freshest count of the batch.
             running = max(m.running, pod.inflight.requests - m.waiting) if ok else load
-            wait_s = backlog / rate + running * step_s
+            run_s = running * step_s
+            wait_s = backlog / rate + run_s
             prefill_s = uncached / rate + cpu_s
             adapter_s = 0.0
             kv_s = 0.0
             needs_slot = adapter is not None and not adapter_active(pod, adapter)
             kv_tight = False
+            deficit = 0.0
             if ok:
                 block_size = block_sizes.get(address)
                 if m.num_gpu_blocks and block_size:
                     free_tokens = (1.0 - m.kv_usage) * m.num_gpu_blocks * block_size
-                    kv_tight = uncached + backlog > free_tokens
+                    deficit = uncached + backlog - free_tokens
+                    kv_tight = deficit > 0
                 else:
                     kv_tight = m.kv_usage >= kv_full
+                    deficit = (waiting + 1) * request_kv_tokens if kv_tight else 0.0
             if needs_slot or kv_tight:
-                # Waiting for a running request to finish: about half a mean decode.
                 tpot = (
                     model.decode_s_per_token
                     if model is not None and model.decode_s_per_token is not None
                     else default_tpot
                 )
-                drain_s = half_output * tpot
                 if needs_slot:
                     adapter_s = p.adapterLoadSeconds
                     if not adapter_slot_free(pod):
-                        adapter_s += drain_s
+                        # A slot frees when a running request ends: about half a decode.
+                        adapter_s += half_output * tpot
                 if kv_tight:
-                    kv_s = drain_s
+                    # Space frees as running requests end, about one per (mean decode
+                    # time / running requests), each returning a mean request's KV.
+                    finishing = max(1.0, deficit / request_kv_tokens)
+                    kv_s = finishing * mean_output * tpot / max(1, running)
             hot_s = (load - hot_limit) * hot_penalty if load > hot_limit else 0.0
             ttft = p.overheadSeconds + wait_s + prefill_s + adapter_s + kv_s + hot_s
             ttfts.append(ttft)
             uncached_list.append(uncached)
             work_list.append(backlog + uncached)
+            step_list.append(run_s)
+            learnable_list.append(
+                not needs_slot and not kv_tight and backlog <= learn_ratio * uncached
+            )
             if explain is not None:
                 explain.setdefault(address, {}).update(
                     wait_s=wait_s,
@@ -239,7 +309,7 @@ class PredictedTTFTScorer(Scorer):
                     ttft_s=ttft,
                     hit_tokens=hit_tokens,
                 )
-        prediction = Prediction(ttfts, uncached_list, work_list)
+        prediction = Prediction(ttfts, uncached_list, work_list, step_list, learnable_list)
         ctx.scratch[SCRATCH_KEY] = (pods, prediction)
         return prediction
 
@@ -252,6 +322,12 @@ class PredictedTTFTScorer(Scorer):
 
     # ------------------------------------------------------------------ learning
 
+    def _new_model(self, pod: PodState | None) -> PodModel:
+        model = PodModel(rate_samples=deque(maxlen=self.params.rateWindow))
+        if pod is not None:
+            model.prior_tok_per_s = self.prior_rate(pod)
+        return model
+
     def on_routed(self, ctx: SchedulingContext, chosen: PodState) -> None:
         stashed = ctx.scratch.get(SCRATCH_KEY)
         if stashed is None:
@@ -263,13 +339,23 @@ class PredictedTTFTScorer(Scorer):
             return
         address = chosen.address
         rate = self.prefill_rate(chosen)
-        model = self.pods.setdefault(address, PodModel())
+        model = self.pods.get(address)
+        if model is None:
+            model = self.pods[address] = self._new_model(chosen)
         model.backlog_tokens = self.routed_backlog(address, rate, ctx.now) + prediction.uncached[i]
         model.backlog_at = ctx.now
+        alpha = self.params.learningRate
         self.mean_uncached_tokens = _ewma(
-            self.mean_uncached_tokens, max(1.0, prediction.uncached[i]), self.params.learningRate
+            self.mean_uncached_tokens, max(1.0, prediction.uncached[i]), alpha
         )
-        self._pending[ctx.request.request_id] = Routed(address, prediction.work[i], ctx.now)
+        self.mean_prompt_tokens = _ewma(self.mean_prompt_tokens, float(ctx.prompt_tokens), alpha)
+        self._pending[ctx.request.request_id] = Routed(
+            address,
+            prediction.work[i],
+            ctx.now,
+            step_s=prediction.step_s[i],
+            learnable=prediction.learnable[i],
+        )
         while len(self._pending) > MAX_PENDING:
             self._pending.popitem(last=False)
 
@@ -286,18 +372,23 @@ class PredictedTTFTScorer(Scorer):
         if routed is None or routed.address != address:
             return
         p = self.params
-        model = self.pods.setdefault(address, PodModel())
+        model = self.pods.get(address)
+        if model is None:
+            model = self.pods[address] = self._new_model(None)
         model.finished_at.append(now)
         if not ok:
             return
-        if ttft_s is not None:
-            service_s = ttft_s - p.overheadSeconds
-            if routed.work_tokens >= p.minSampleTokens and service_s > 0:
-                sample = routed.work_tokens / service_s
-                # Clamp so one outlier (a pause, a preemption) cannot wreck the estimate.
-                low, high = p.prefillTokensPerSecond / 100, p.prefillTokensPerSecond * 100
-                sample = min(high, max(low, sample))
-                model.prefill_tok_per_s = _ewma(model.prefill_tok_per_s, sample, p.learningRate)
+        if ttft_s is not None and routed.learnable and routed.work_tokens >= p.minSampleTokens:
+            service_s = ttft_s - p.overheadSeconds - routed.step_s
+            if service_s > 0:
+                prior = model.prior_tok_per_s or p.prefillTokensPerSecond
+                # Even a trusted estimate stays within 100x the prior: a pause or a
+                # preemption must not make a pod look idle or dead.
+                sample = min(prior * 100, max(prior / 100, routed.work_tokens / service_s))
+                model.rate_samples.append(sample)
+                model.prefill_tok_per_s = robust_rate(
+                    model.rate_samples, prior, p.rateBand, p.rateTrustSamples
+                )
         if usage is not None and usage.completion_tokens > 0:
             self.mean_output_tokens = _ewma(
                 self.mean_output_tokens, float(usage.completion_tokens), p.learningRate

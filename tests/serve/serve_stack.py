@@ -297,6 +297,30 @@ class Gateway:
         text_ = await self.metrics()
         return sample(text_, "smart_epp_kv_block_hashes_total", pod=address, action="stored")
 
+    async def until_streams_live(self) -> None:
+        """Sends small requests to every pod until the gateway has heard each pod's events.
+
+        A publisher that connects to the gateway (central mode) drops what it publishes
+        before its connection is up; only its next batch (whose gap the gateway then
+        fills by replay) tells the gateway about it.
+        """
+        for i, pod in enumerate(self.pool.pods):
+            for attempt in range(10):
+
+                async def heard(address: str = pod.http_address) -> bool:
+                    page = await self.metrics()
+                    return sample(page, "smart_epp_kv_events_total", pod=address) > 0
+
+                body = {"model": MODEL, "prompt": text(900 + 10 * i + attempt, 40)}
+                await self.direct(i, {**body, "max_tokens": 1})
+                try:
+                    await async_wait_until(heard, 1.0, f"pod {i}'s first batch")
+                    break
+                except TimeoutError:
+                    continue
+            else:
+                raise TimeoutError(f"the gateway never heard pod {i}'s KV events")
+
     async def warm(self, i: int, prefix: str) -> None:
         """Sends `prefix` straight to pod i, then waits until the gateway has ingested, from
         the pod's KV events, at least as many blocks as the prompt fills."""
