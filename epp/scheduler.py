@@ -14,6 +14,7 @@ per plugin, `inference_extension_plugin_duration_seconds`.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import inspect
 import logging
@@ -38,6 +39,7 @@ from smart_epp.epp.tokenization import (
 from smart_epp.epp.types import Decision, LLMRequest, PodState, Usage
 from smart_epp.kv_index.api import BlockIndex, PrefixHit
 from smart_epp.kv_index.keys import KeyScope, block_keys
+from smart_epp.kv_index.memory import DEFAULT_SPECULATIVE_TTL_S
 from smart_epp.scorers.base import Plugin, SchedulingContext
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,7 @@ class IndexPrefixMatcher:
         base_model: str | None = None,
     ) -> None:
         self.index = index
+        self._pending: set[asyncio.Task[None]] = set()
         self._keys_fn = keys_fn
         self._model_of = model_of
         self._base_model = base_model
@@ -162,6 +165,37 @@ class IndexPrefixMatcher:
             if keys:
                 hits.update(await self.index.lookup(keys, addresses))
         return hits
+
+    def speculate(
+        self,
+        token_ids: Sequence[int],
+        request: LLMRequest,
+        address: str,
+        block_size: int,
+        ttl_s: float,
+    ) -> None:
+        """Marks the prompt's blocks as held by `address` for `ttl_s` seconds.
+
+        The pod's KV events confirm them only after its prefill; until then, a burst of
+        requests sharing the prefix would otherwise each look uncached everywhere.
+        """
+        ((keys, _),) = self._groups(token_ids, request, {address: block_size})
+        if not keys:
+            return
+        add_sync = getattr(self.index, "add_speculative_sync", None)
+        if add_sync is not None:
+            add_sync(address, keys, ttl_s)
+            return
+        task = asyncio.get_running_loop().create_task(
+            self.index.add_speculative(address, keys, ttl_s)
+        )
+        self._pending.add(task)
+        task.add_done_callback(self._speculation_done)
+
+    def _speculation_done(self, task: asyncio.Task[None]) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("speculative index entry failed: %s", task.exception())
 
     def match_sync(
         self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
@@ -196,9 +230,11 @@ class PipelineScheduler:
         explain: bool | None = None,
         fallbacks: int = 0,
         metrics: SchedulerMetrics | None = None,
+        speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
     ) -> None:
         self.plugins = plugins
         self.fallbacks = fallbacks
+        self.speculative_ttl_s = speculative_ttl_s
         self.profile = self._choose_profile(plugins.profiles, profile)
         self.prefix_matcher = prefix_matcher
         self.tokenizer = tokenizer
@@ -425,12 +461,29 @@ class PipelineScheduler:
         chosen = decision.endpoints[0]
         for plugin in self.active_plugins:
             plugin.on_routed(ctx, chosen)
+        self._speculate(ctx, chosen)
         # Only the request itself is needed until its response: drop the token ids, index
         # matches and per-pod scratch so thousands of requests in flight stay cheap.
         ctx.token_ids = None
         ctx.prefix_hits = None
         ctx.scratch.clear()
         ctx.components.clear()
+
+    def _speculate(self, ctx: SchedulingContext, chosen: PodState) -> None:
+        speculate = getattr(self.prefix_matcher, "speculate", None)
+        if (
+            speculate is None
+            or self.speculative_ttl_s <= 0
+            or not ctx.token_ids
+            or not ctx.block_sizes
+        ):
+            return
+        block_size = ctx.block_sizes.get(chosen.address) or self._block_size(chosen)
+        try:
+            speculate(ctx.token_ids, ctx.request, chosen.address, block_size,
+                      self.speculative_ttl_s)  # fmt: skip
+        except Exception:  # a hint that could not be recorded must never fail the request
+            log.exception("speculative index entry failed")
 
     def on_response(
         self,
@@ -505,6 +558,7 @@ def build_scheduler(
     fallbacks: int = 0,
     registry: CollectorRegistry = REGISTRY,
     record_e2e: bool = True,
+    speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
 ) -> PipelineScheduler:
     """Builds the scheduler for a config (a built-in name, a YAML path, or loaded config).
 
@@ -520,6 +574,8 @@ def build_scheduler(
       config's `blockSize`, else 16.
     - `clock`: monotonic seconds, or a virtual clock in a replay.
     - `fallbacks`: extra endpoints, best-scored first, appended after the picker's choice.
+    - `speculative_ttl_s`: how long a routed prompt's blocks count as held by the chosen
+      pod before its KV events confirm them (0 disables; needs an index).
     - `registry` / `record_e2e`: where the duration histograms go; `record_e2e=False` when
       the caller already times the scheduling call under the same e2e metric name.
     """
@@ -540,6 +596,7 @@ def build_scheduler(
         explain=explain,
         fallbacks=fallbacks,
         metrics=scheduler_metrics(registry, record_e2e=record_e2e),
+        speculative_ttl_s=speculative_ttl_s,
     )
     if tokenizer is None or tokenizer is True:
         if scheduler.needs_tokens:

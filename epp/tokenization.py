@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -299,6 +300,10 @@ class LocalTokenizer:
 # --------------------------------------------------------------------------- via a pod
 
 
+FIRST_TOKENIZE_BACKOFF_S = 0.5
+MAX_TOKENIZE_BACKOFF_S = 30.0
+
+
 class PodTokenizer:
     """Asks a pod serving the model for the token ids (vLLM's POST /tokenize)."""
 
@@ -309,8 +314,14 @@ class PodTokenizer:
         timeout_s: float = 2.0,
         session_factory: Callable[[], aiohttp.ClientSession] | None = None,
         attempts: int = 2,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._cache: LRUCache[bytes, TokenArray] = LRUCache(cache_bytes, _ids_weight)
+        self._clock = clock
+        # Pods whose /tokenize failed are skipped for a while (doubling per failure), so a
+        # pod without the endpoint costs one failed call per back-off, not one per request.
+        self._failures: dict[str, int] = {}
+        self._skip_until: dict[str, float] = {}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session_factory = session_factory
         self._session: aiohttp.ClientSession | None = None
@@ -350,17 +361,28 @@ class PodTokenizer:
         if cached is not None:
             TOKENIZE_TOTAL.labels("pod", "cache_hit").inc()
             return cached.tolist()
-        ready = [p for p in pods if p.ready] or list(pods)
+        now = self._clock()
+        skip_until = self._skip_until
+        usable = [p for p in pods if p.ready] or list(pods)
+        ready = [p for p in usable if skip_until.get(p.address, 0.0) <= now]
         if not ready:
+            TOKENIZE_TOTAL.labels("pod", "unavailable").inc()
             return None
         for attempt in range(min(self._attempts, len(ready))):
             pod = ready[(self._turn + attempt) % len(ready)]
             ids = await self._ask(pod.address, body)
             if ids is not None:
                 self._turn += 1
+                self._failures.pop(pod.address, None)
+                skip_until.pop(pod.address, None)
                 self._cache.put(key, _pack(ids))
                 TOKENIZE_TOTAL.labels("pod", "ok").inc()
                 return ids
+            failures = self._failures.get(pod.address, 0) + 1
+            self._failures[pod.address] = failures
+            skip_until[pod.address] = self._clock() + min(
+                MAX_TOKENIZE_BACKOFF_S, FIRST_TOKENIZE_BACKOFF_S * 2 ** (failures - 1)
+            )
         TOKENIZE_TOTAL.labels("pod", "error").inc()
         return None
 

@@ -10,7 +10,12 @@ from sched_helpers import pod, request
 from smart_epp.epp.config import plugin_types
 from smart_epp.kv_index.api import PrefixHit
 from smart_epp.scorers.base import SchedulingContext
-from smart_epp.scorers.predicted_ttft_scorer import PredictedTTFTScorer
+from smart_epp.epp.types import Usage
+from smart_epp.scorers.predicted_ttft_scorer import (
+    PredictedTTFTScorer,
+    reusable_tokens,
+    robust_rate,
+)
 
 RATE = 10_000.0  # the default prefill rate, tokens/s
 
@@ -78,8 +83,9 @@ def test_adapter_and_kv_pressure_penalties():
     assert comp["loaded:1"]["adapter_s"] == 0.0
     assert comp["room:1"]["adapter_s"] == pytest.approx(0.05)
     assert comp["full:1"]["adapter_s"] == pytest.approx(0.05 + drain)
-    # 1% of 100 blocks x 16 tokens free: 16 tokens, far below the 1000 the prompt needs.
-    assert comp["kvfull:1"]["kv_s"] == pytest.approx(drain)
+    # 1% of 100 blocks x 16 tokens free: 16 tokens, far below the 1000 the prompt needs,
+    # and nothing running: one whole mean decode until space frees.
+    assert comp["kvfull:1"]["kv_s"] == pytest.approx(100 * 0.01)
     assert comp["loaded:1"]["kv_s"] == 0.0
 
 
@@ -95,3 +101,92 @@ def test_completed_requests_come_off_a_scrape_taken_before_they_ended():
     s.score(c, [a])
     # One of the two scraped waiting requests was ours and has ended.
     assert c.components["a:1"]["wait_s"] == pytest.approx(s.mean_uncached_tokens / RATE)
+
+
+def test_the_last_prompt_token_is_always_recomputed():
+    assert reusable_tokens(1000, 63, 16) == 992  # 63 blocks cover 1008 > 1000 tokens
+    assert reusable_tokens(1024, 64, 16) == 1008  # fully held: the last block recomputes
+    assert reusable_tokens(1025, 64, 16) == 1024
+    assert reusable_tokens(1, 1, 16) == 0
+    s = scorer(overheadSeconds=0.0)
+    c = ctx(1024, hits={"a:1": PrefixHit(blocks=64)})
+    s.score(c, [pod("a:1")])
+    assert c.components["a:1"]["hit_tokens"] == 1008
+    assert c.components["a:1"]["prefill_s"] == pytest.approx(16 / RATE)
+
+
+def learn(s: PredictedTTFTScorer, target, tokens: int, ttft: float, now: float, **kw) -> None:
+    """Route one request to `target` at `now` and report its TTFT."""
+    c = ctx(tokens, now=now, **kw)
+    s.score(c, [target])
+    s.on_routed(c, target)
+    s.on_response(c, target.address, Usage(tokens, 10), ttft, True, now=now + ttft + 1.0)
+
+
+def test_prefill_rate_is_learned_only_from_requests_that_met_a_short_queue():
+    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0, meanPromptTokens=1000)
+    busy = pod("a:1", waiting=8)  # 8 x 1000 tokens queued ahead of a 1000-token prompt
+    learn(s, busy, 1000, ttft=3.0, now=100.0)
+    assert s.pods["a:1"].prefill_tok_per_s is None  # the TTFT was mostly queueing
+    idle = pod("b:1")
+    learn(s, idle, 1000, ttft=0.05, now=100.0)
+    assert s.pods["b:1"].prefill_tok_per_s == pytest.approx(1000 / 0.05)
+
+
+def test_adapter_loads_and_tiny_prompts_are_not_learned_as_prefill():
+    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0)
+    cold = pod("a:1", max_loras=2)  # the adapter is not loaded there
+    learn(s, cold, 1000, ttft=1.0, now=100.0, adapter="x")
+    assert s.pods["a:1"].prefill_tok_per_s is None
+    learn(s, pod("b:1"), 100, ttft=1.0, now=100.0)  # below minSampleTokens
+    assert s.pods["b:1"].prefill_tok_per_s is None
+
+
+def test_learned_rate_stays_near_the_prior_until_samples_agree():
+    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0, rateBand=4.0,
+               rateTrustSamples=5)  # fmt: skip
+    a = pod("a:1")
+    # Samples claiming the pod is 100x faster than configured are held to 4x ...
+    for i in range(4):
+        learn(s, a, 1000, ttft=1000 / (100 * RATE), now=100.0 + 10 * i)
+    assert s.pods["a:1"].prefill_tok_per_s == pytest.approx(4 * RATE)
+    # ... until five of them agree.
+    learn(s, a, 1000, ttft=1000 / (100 * RATE), now=200.0)
+    assert s.pods["a:1"].prefill_tok_per_s == pytest.approx(100 * RATE)
+
+
+def test_disagreeing_samples_keep_the_band_and_the_median_ignores_outliers():
+    prior = 10_000.0
+    scattered = [1_000.0, 50_000.0, 2_000.0, 80_000.0, 3_000.0, 90_000.0]
+    assert robust_rate(scattered, prior, 4.0, 5) == pytest.approx(26_500.0)  # median
+    wild = [1e9, 12_000.0, 11_000.0, 13_000.0, 12_500.0, 11_500.0, 1.0]
+    assert robust_rate(wild, prior, 4.0, 5) == pytest.approx(12_000.0)
+
+
+def test_the_pods_own_rate_hint_is_the_prior():
+    s = scorer(overheadSeconds=0.0, rateBand=4.0)
+    fast = pod("a:1")
+    fast.prefill_tok_per_s = 50_000.0
+    c = ctx(1000)
+    s.score(c, [fast])
+    assert c.components["a:1"]["prefill_s"] == pytest.approx(1000 / 50_000)
+    # A first fast sample is allowed up to 4x the hint, not 4x the configured rate.
+    learn(s, fast, 1000, ttft=1000 / 150_000, now=100.0)
+    assert s.pods["a:1"].prefill_tok_per_s == pytest.approx(150_000.0)
+
+
+def test_kv_wait_grows_with_the_deficit_and_shrinks_with_more_requests_finishing():
+    s = scorer(overheadSeconds=0.0, meanPromptTokens=900, meanOutputTokens=100,
+               decodeSecondsPerToken=0.01)  # fmt: skip
+    pods = [
+        pod("small:1", kv=0.99, num_gpu_blocks=1000, running=10),  # 160 tokens free
+        pod("many:1", kv=0.99, num_gpu_blocks=1000, running=40),
+        pod("roomy:1", kv=0.5, num_gpu_blocks=1000, running=10),
+    ]
+    c = ctx(4160)  # 4000 tokens short of space: four mean requests (900 + 100) must end
+    c.block_sizes = {p.address: 16 for p in pods}
+    s.score(c, pods)
+    comp = c.components
+    assert comp["small:1"]["kv_s"] == pytest.approx(4 * 100 * 0.01 / 10)
+    assert comp["many:1"]["kv_s"] == pytest.approx(4 * 100 * 0.01 / 40)
+    assert comp["roomy:1"]["kv_s"] == 0.0

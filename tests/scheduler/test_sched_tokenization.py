@@ -156,6 +156,25 @@ async def test_pod_tokenizer_asks_like_vllm_expects_and_falls_over(tokenize_pods
         await tokenizer.aclose()
 
 
+async def test_a_failing_pod_is_backed_off_not_asked_on_every_request(tokenize_pods):
+    broken, _ = tokenize_pods
+    now = [100.0]
+    tokenizer = PodTokenizer(timeout_s=2.0, clock=lambda: now[0])
+    only_broken = [pod(f"127.0.0.1:{broken.port}")]
+    try:
+        for i in range(5):
+            assert await tokenizer.tokenize(request(prompt=f"p{i}"), only_broken) is None
+        assert len(broken.bodies) == 1  # the rest were answered without a call
+        now[0] += 0.6  # past the first back-off (0.5 s): asked again, fails, backs off longer
+        assert await tokenizer.tokenize(request(prompt="again"), only_broken) is None
+        assert len(broken.bodies) == 2
+        now[0] += 0.6  # still inside the doubled back-off
+        assert await tokenizer.tokenize(request(prompt="once more"), only_broken) is None
+        assert len(broken.bodies) == 2
+    finally:
+        await tokenizer.aclose()
+
+
 async def test_router_uses_local_tokenizer_for_configured_models(local, tokenize_pods):
     _, good = tokenize_pods
     pods = [pod(f"127.0.0.1:{good.port}")]
