@@ -28,9 +28,11 @@ from smart_epp.epp.gateway_metrics import GatewayMetrics
 from smart_epp.epp.model_catalog import ModelCatalog, ModelCatalogPoller, ServedModels
 from smart_epp.epp.model_routing import ServedModelScheduler
 from smart_epp.epp.scheduler import build_scheduler
+from smart_epp.epp.scheduler_api import Scheduler
 from smart_epp.epp.scrape import MetricsScraper
 from smart_epp.epp.server import DEFAULT_MAX_BODY_BYTES, EppServer, ServerOptions
 from smart_epp.epp.tokenization import TokenizerRouter
+from smart_epp.epp.traffic_recorder import TrafficRecorder
 from smart_epp.epp.types import PodState
 from smart_epp.kv_index.api import BlockIndex
 from smart_epp.kv_index.ingest import IngestState
@@ -70,6 +72,9 @@ class ServeOptions:
     redis_url: str = "redis://127.0.0.1:6379/0"
     scrape_interval_s: float = 0.05
     models_poll_s: float = 2.0
+    # Recorded-traffic JSONL for `epp replay --format recorded`; None = not recorded.
+    record_traffic: Path | None = None
+    record_prompts: bool = False  # prompts are user data: sizes and timing only by default
 
 
 class _ForeignMetrics(Collector):
@@ -200,8 +205,15 @@ async def serve(
     scraper = MetricsScraper(
         datastore, interval_s=options.scrape_interval_s, on_restart=pod_restarted
     )
+    routed: Scheduler = ServedModelScheduler(scheduler, catalog)
+    recorder: TrafficRecorder | None = None
+    if options.record_traffic is not None:
+        recorder = TrafficRecorder.to_file(
+            routed, options.record_traffic, include_content=options.record_prompts
+        )
+        routed = recorder
     server = EppServer(
-        ServedModelScheduler(scheduler, catalog),
+        routed,
         datastore,
         adapter_resolver=catalog.resolve_adapter,
         options=ServerOptions(max_body_bytes=options.max_body_bytes, pool_name=options.pool_name),
@@ -269,6 +281,8 @@ async def serve(
             except Exception:
                 log.exception("shutdown step failed")
         await scheduler.aclose()
+        if recorder is not None:
+            recorder.close()
         if isinstance(index, RedisBlockIndex):
             await index.close()
 
@@ -426,6 +440,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="how often every pod's /v1/models (base model, LoRA adapters) is polled "
         "(default %(default)s)",
     )
+    record = parser.add_argument_group("traffic recording (for epp replay --format recorded)")
+    record.add_argument(
+        "--record-traffic",
+        type=Path,
+        metavar="FILE",
+        help="append one JSONL row per finished request: arrival time, model, API, token "
+        "counts (off by default)",
+    )
+    record.add_argument(
+        "--record-prompts",
+        action="store_true",
+        help="also record each prompt (token ids, messages or text): prompts are user data, "
+        "but without them a replay cannot reproduce prefix sharing",
+    )
     parser.add_argument(
         "--log-level",
         type=str.lower,
@@ -468,6 +496,8 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         scrape_interval_s=args.scrape_interval,
         models_poll_s=args.models_poll_interval,
+        record_traffic=args.record_traffic,
+        record_prompts=args.record_prompts,
     )
     run_event_loop(serve(options))
     return 0

@@ -359,41 +359,6 @@ def load_shared_prefix(
 # ---------------------------------------------------------------------------------------
 # Recorded traffic (what `epp serve` can write when asked to)
 
-RECORDED_VERSION = 1
-
-
-def recorded_line(
-    timestamp_s: float,
-    model: str,
-    prompt_tokens: int,
-    output_tokens: int,
-    *,
-    api: str = "completions",
-    prompt: str | None = None,
-    messages: list[dict[str, Any]] | None = None,
-    prompt_token_ids: Sequence[int] | None = None,
-) -> str:
-    """One JSONL line of the recorded-traffic format.
-
-    Content (prompt, messages or token ids) is optional because prompts are user data;
-    without it the replay still reproduces timing and sizes, but no prefix sharing.
-    """
-    row: dict[str, Any] = {
-        "v": RECORDED_VERSION,
-        "timestamp": round(timestamp_s, 6),
-        "model": model,
-        "api": api,
-        "prompt_tokens": int(prompt_tokens),
-        "output_tokens": int(output_tokens),
-    }
-    if prompt_token_ids is not None:
-        row["prompt_token_ids"] = list(prompt_token_ids)
-    elif messages is not None:
-        row["messages"] = messages
-    elif prompt is not None:
-        row["prompt"] = prompt
-    return json.dumps(row, separators=(",", ":"))
-
 
 def load_recorded(path: Path, limit: int | None = None) -> list[TraceRequest]:
     out: list[TraceRequest] = []

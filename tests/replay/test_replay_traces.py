@@ -18,9 +18,9 @@ from smart_epp.benchmarks.replay.traces import (
     load_recorded,
     load_sharegpt,
     load_trace,
-    recorded_line,
     text_to_tokens,
 )
+from smart_epp.epp.traffic_recorder import recorded_line
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:

@@ -123,7 +123,8 @@ async def test_one_shared_prefix_does_not_pile_onto_one_pod():
 async def test_learned_prefill_rate_steers_away_from_a_slow_pod():
     clock = Clock()
     pods = [pod("fast:1"), pod("slow:1")]
-    scheduler = build_scheduler("default", index=MemoryBlockIndex(), clock=clock, seed=0)
+    index = MemoryBlockIndex(clock=clock)
+    scheduler = build_scheduler("default", index=index, clock=clock, seed=0)
     scorer = scheduler.profile.scorers[0][0]
     for address, ttft in (("slow:1", 2.0), ("fast:1", 0.1)):
         target = next(p for p in pods if p.address == address)
