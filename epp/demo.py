@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from pathlib import Path
 
 import yaml
 from rich.console import Console
+
+from smart_epp.epp.ports import free_port, free_port_block
 
 DEMO_MODEL = "demo-model"
 MOONCAKE_TRACE = (
@@ -66,33 +67,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 class StartupError(RuntimeError):
     """A demo process did not come up; the message carries the end of its log."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_block(n: int, attempts: int = 50) -> int:
-    """The first of `n` consecutive free ports (the sim pool binds base+i)."""
-    for _ in range(attempts):
-        base = free_port()
-        if base + n >= 65_535:
-            continue
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise StartupError(f"no block of {n} consecutive free ports")
 
 
 @dataclass
@@ -377,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
                 ok = live_stage(stack, args, console)
         if not args.skip_sim:
             sim_stage(args, console)
-    except StartupError as exc:
+    except (StartupError, OSError) as exc:
         console.print(f"[red]demo could not start:[/red] {exc}")
         return 1
     except KeyboardInterrupt:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import aiohttp
 import pytest
-from aiohttp import web
 from support.envoy import EnvoyProcess, async_running_envoy
-from support.net import async_wait_until, free_port
+from support.net import async_wait_until
+from support.relays import MetricsRelay
 
 from smart_epp.benchmarks.sim.pool import PodHandle, SimPool, run_pool
 from smart_epp.epp.datastore import Datastore
@@ -83,44 +83,6 @@ class Stack:
         after = self.served()
         [pod] = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if b > a]
         return pod, answer
-
-
-class MetricsRelay:
-    """A real HTTP server in front of one pod's /metrics that can stop answering (the port
-    refuses connections) and come back, while the pod itself keeps serving."""
-
-    def __init__(self, upstream: str) -> None:
-        self.upstream = upstream
-        self.port = free_port()
-        self._runner: web.AppRunner | None = None
-        self._http: aiohttp.ClientSession | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/metrics"
-
-    async def _metrics(self, _: web.Request) -> web.Response:
-        assert self._http is not None
-        async with self._http.get(self.upstream) as resp:
-            return web.Response(body=await resp.read(), content_type="text/plain")
-
-    async def start(self) -> None:
-        self._http = self._http or aiohttp.ClientSession()
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def close(self) -> None:
-        await self.stop()
-        if self._http is not None:
-            await self._http.close()
 
 
 @contextlib.asynccontextmanager

@@ -25,7 +25,6 @@ import aiohttp
 import yaml
 import zmq
 import zmq.asyncio
-from aiohttp import web
 from support.envoy import EnvoyProcess, async_running_envoy
 from support.net import async_wait_until, free_port, port_open
 
@@ -47,44 +46,6 @@ def text(seed: int, words: int) -> str:
 
 
 # --------------------------------------------------------------------------- relays
-
-
-class MetricsRelay:
-    """A real HTTP server in front of one pod's /metrics that can stop answering."""
-
-    def __init__(self, pool: SimPool, index: int) -> None:
-        self.pool = pool
-        self.index = index
-        self.port = free_port()
-        self._runner: web.AppRunner | None = None
-        self._http: aiohttp.ClientSession | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/metrics"
-
-    async def _metrics(self, _: web.Request) -> web.Response:
-        assert self._http is not None
-        async with self._http.get(self.pool.pods[self.index].metrics_url) as resp:
-            return web.Response(body=await resp.read(), content_type="text/plain")
-
-    async def start(self) -> None:
-        self._http = self._http or aiohttp.ClientSession()
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def close(self) -> None:
-        await self.stop()
-        if self._http is not None:
-            await self._http.close()
 
 
 class KVEventRelay:

@@ -10,7 +10,6 @@ import pytest
 from serve_stack import (
     MODEL,
     KVEventRelay,
-    MetricsRelay,
     endpoint_entry,
     epp_process,
     gateway,
@@ -20,6 +19,7 @@ from serve_stack import (
     write_endpoints,
 )
 from support.net import async_wait_until, free_port
+from support.relays import MetricsRelay
 
 pytestmark = pytest.mark.envoy
 
@@ -78,7 +78,7 @@ async def test_c_restart_whose_first_batch_is_lost_is_caught_by_the_start_time(
     tmp_path: Path,
 ) -> None:
     async with sim_pods() as pool:
-        metrics_relay = MetricsRelay(pool, 3)
+        metrics_relay = MetricsRelay(lambda: pool.pods[3].metrics_url)
         await metrics_relay.start()
         events_relay = KVEventRelay(pool.pods[3].kv_events_endpoint)
         events_relay.start()

@@ -7,32 +7,9 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
+from smart_epp.epp.ports import free_port, free_port_block
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_port_block(count: int, attempts: int = 50) -> int:
-    """First of `count` consecutive free ports, for tools that take a base port."""
-    for _ in range(attempts):
-        base = free_port()
-        if base + count > 65535:
-            continue
-        sockets: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError(f"no block of {count} consecutive free ports found")
+__all__ = ["async_wait_until", "free_port", "free_port_block", "port_open", "wait_until"]
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
