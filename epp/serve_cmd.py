@@ -25,6 +25,11 @@ from smart_epp.epp.config import BUILTIN_CONFIGS, ConfigError, load_config
 from smart_epp.epp.datastore import Datastore
 from smart_epp.epp.discovery import EndpointsFileWatcher, endpoints_from_addresses, parse_address
 from smart_epp.epp.gateway_metrics import GatewayMetrics
+from smart_epp.epp.k8s_discovery import (
+    KubernetesDiscoveryOptions,
+    KubernetesPoolWatcher,
+    kubernetes_discovery_options,
+)
 from smart_epp.epp.model_catalog import ModelCatalog, ModelCatalogPoller, ServedModels
 from smart_epp.epp.model_routing import ServedModelScheduler
 from smart_epp.epp.scheduler import build_scheduler
@@ -58,6 +63,8 @@ class ServeOptions:
     endpoints: list[str] = field(default_factory=list)
     endpoints_file: Path | None = None
     endpoints_poll_s: float = 0.5
+    # The pool from an InferencePool's pods over the Kubernetes API; None = static pool.
+    k8s: KubernetesDiscoveryOptions | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     pool_name: str = "default"
     # Base model for KV key scope when no topic or endpoint label names it; None = the
@@ -233,6 +240,10 @@ async def serve(
         )
         watcher.poll()  # the first pool is in place before the first request
         background.keep(asyncio.create_task(watcher.run(), name="endpoints-file-watcher"))
+    pool_watcher: KubernetesPoolWatcher | None = None
+    if options.k8s is not None:
+        pool_watcher = KubernetesPoolWatcher(options.k8s, datastore)
+        background.keep(asyncio.create_task(pool_watcher.run(), name="k8s-pool-watcher"))
 
     if stop is None:
         stop = asyncio.Event()
@@ -245,6 +256,8 @@ async def serve(
 
     started: list[Callable[[], Coroutine[Any, Any, None]]] = []
     try:
+        if pool_watcher is not None and not await pool_watcher.wait_synced(10.0):
+            log.warning("no pool from the Kubernetes API yet; serving, and still watching")
         # The pool's models first: KV keys are scoped by each pod's base model.
         await poller.start()
         started.append(poller.stop)
@@ -369,7 +382,46 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies are answered 413",
     )
-    parser.add_argument("--pool-name", default="default", help="label of the pool's metrics")
+    parser.add_argument(
+        "--pool-name",
+        default=None,
+        help="the InferencePool's name: the label of the pool's metrics (default: default) "
+        "and, for Kubernetes discovery, the pool whose pods are followed",
+    )
+    k8s = parser.add_argument_group(
+        "Kubernetes discovery",
+        "The pool is the InferencePool --pool-name's Running, Ready pods on its target "
+        "port(s), followed over the Kubernetes API. On when --k8s-api is given, or inside a "
+        "cluster (KUBERNETES_SERVICE_HOST set) when --pool-name is given without --endpoint "
+        "or --endpoints-file. Pod annotations smart-epp.io/kv-events-port and "
+        "smart-epp.io/kv-replay-port override --kv-events-port / --kv-replay-port per pod.",
+    )
+    pool.add_argument(
+        "--k8s-api",
+        default=None,
+        metavar="URL",
+        help="Kubernetes API server for out-of-cluster use (default in a cluster: the "
+        "service-account's https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT)",
+    )
+    k8s.add_argument(
+        "--pool-namespace",
+        default=None,
+        metavar="NS",
+        help="the InferencePool's namespace (default: this pod's namespace, else default)",
+    )
+    k8s.add_argument(
+        "--k8s-token-file",
+        type=Path,
+        default=None,
+        help="bearer token file (default in a cluster: the service-account token)",
+    )
+    k8s.add_argument(
+        "--k8s-ca-file",
+        type=Path,
+        default=None,
+        help="CA bundle of an https API server (default in a cluster: the service-account "
+        "CA; else the system's)",
+    )
     parser.add_argument(
         "--model",
         default=None,
@@ -474,6 +526,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         load_config(args.config)
+        k8s = kubernetes_discovery_options(
+            pool_name=args.pool_name,
+            namespace=args.pool_namespace,
+            api_url=args.k8s_api,
+            token_file=args.k8s_token_file,
+            ca_file=args.k8s_ca_file,
+            static_pool=bool(args.endpoint or args.endpoints_file),
+            kv_events_port=args.kv_events_port,
+            kv_replay_port=args.kv_replay_port,
+        )
     except (ConfigError, OSError, ValueError) as exc:
         log.error("%s", exc)
         return 2
@@ -484,8 +546,9 @@ def run(args: argparse.Namespace) -> int:
         config=args.config,
         endpoints=args.endpoint,
         endpoints_file=args.endpoints_file,
+        k8s=k8s,
         max_body_bytes=args.max_body_bytes,
-        pool_name=args.pool_name,
+        pool_name=args.pool_name or "default",
         model=args.model,
         kv_events_mode=args.kv_events_mode,
         kv_events_bind=args.kv_events_bind,

@@ -1,0 +1,85 @@
+"""The Kubernetes manifests agree with the code: RBAC grants what the watcher asks for,
+and the Deployment's arguments, parsed by the real CLI, follow the shipped InferencePool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from support.paths import REPO
+
+from smart_epp.epp import k8s_discovery as kd
+from smart_epp.epp.cli import build_parser
+
+K8S = REPO / "deploy" / "k8s"
+
+
+def documents(name: str) -> dict[str, dict]:
+    return {d["kind"]: d for d in yaml.safe_load_all((K8S / name).read_text()) if d}
+
+
+def discovery_for(deployment: dict) -> kd.KubernetesDiscoveryOptions | None:
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(container["args"])
+    return kd.kubernetes_discovery_options(
+        pool_name=args.pool_name,
+        namespace=args.pool_namespace,
+        api_url=args.k8s_api,
+        token_file=args.k8s_token_file,
+        ca_file=args.k8s_ca_file,
+        static_pool=bool(args.endpoint or args.endpoints_file),
+        kv_events_port=args.kv_events_port,
+        kv_replay_port=args.kv_replay_port,
+    )
+
+
+@pytest.fixture
+def in_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    monkeypatch.setattr(kd, "SERVICE_ACCOUNT_DIR", tmp_path)
+
+
+def test_role_grants_get_list_watch_on_pods_and_every_pool_api_group() -> None:
+    role = documents("smart-epp.yaml")["Role"]
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    needed = {("", "pods", v) for v in ("get", "list", "watch")} | {
+        (group, "inferencepools", v) for group, _ in kd.POOL_API_VERSIONS for v in ("list", "watch")
+    }
+    assert needed <= granted
+
+
+def test_deployment_runs_as_the_bound_service_account() -> None:
+    docs = documents("smart-epp.yaml")
+    account = docs["ServiceAccount"]["metadata"]["name"]
+    binding = docs["RoleBinding"]
+    assert binding["roleRef"]["name"] == docs["Role"]["metadata"]["name"]
+    assert {"kind": "ServiceAccount", "name": account} in binding["subjects"]
+    assert docs["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == account
+
+
+@pytest.mark.usefixtures("in_cluster")
+def test_deployment_discovers_the_shipped_inference_pool() -> None:
+    pool = documents("inferencepool.yaml")["InferencePool"]
+    spec = kd.pool_spec_from_object(pool)
+    assert spec.target_ports and spec.selector
+    chosen = discovery_for(documents("smart-epp.yaml")["Deployment"])
+    assert chosen is not None
+    assert chosen.pool_name == pool["metadata"]["name"]
+    assert chosen.api_url == "https://10.96.0.1:443"
+    service = documents("smart-epp.yaml")["Service"]
+    picker = pool["spec"]["endpointPickerRef"]
+    assert service["metadata"]["name"] == picker["name"]
+    assert picker["port"]["number"] in {p["port"] for p in service["spec"]["ports"]}
+
+
+@pytest.mark.usefixtures("in_cluster")
+def test_endpoints_file_variant_keeps_discovery_off() -> None:
+    assert discovery_for(documents("smart-epp-endpoints-file.yaml")["Deployment"]) is None
