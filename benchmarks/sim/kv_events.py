@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import fields
@@ -115,7 +117,10 @@ class KVEventPublisher:
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, 100_000)
-        (pub.bind if self._bind else pub.connect)(self.endpoint)
+        if self._bind:
+            _bind_retrying(pub, self.endpoint)
+        else:
+            pub.connect(self.endpoint)
         if self._bind:  # a ":*" port binds any free port: report the one taken
             self.endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._pub = pub
@@ -124,7 +129,7 @@ class KVEventPublisher:
             router.setsockopt(zmq.LINGER, 0)
             # A ROUTER silently drops above its high-water mark: room for a full replay.
             router.setsockopt(zmq.SNDHWM, (self._buffer.maxlen or DEFAULT_BUFFER_STEPS) + 16)
-            router.bind(self.replay_endpoint)
+            _bind_retrying(router, self.replay_endpoint)
             self.replay_endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
             self._router = router
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
@@ -171,3 +176,23 @@ class KVEventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._pub = self._router = None
+
+
+REBIND_TIMEOUT_S = 2.0
+
+
+def _bind_retrying(sock: zmq.Socket, endpoint: str) -> None:
+    """Binds, retrying briefly while the port is still held.
+
+    A restarted pod binds the ports its previous process used; ZeroMQ releases a closed
+    socket's port from its I/O thread, a moment after close() returns.
+    """
+    deadline = time.monotonic() + REBIND_TIMEOUT_S
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
