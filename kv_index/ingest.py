@@ -127,40 +127,85 @@ class IngestState:
         state.batches += 1
         rank = batch.data_parallel_rank or 0
         result = ApplyResult()
+        ops = result.ops
+        maps = state.maps
+        # Consecutive removals from one tier become one op: vLLM publishes every evicted
+        # block as its own event, so a busy pod's batch holds hundreds of them.
+        in_run = False
+        run_medium: Medium = "GPU"
+        run_map: dict[BlockHash, int] | None = None
+        run_keys: list[int] | None = None
+        removed = unknown = 0
         for event in batch.events:
+            if type(event) is BlockRemoved:
+                medium = medium_of(event.medium)
+                if not in_run or medium != run_medium:
+                    in_run = True
+                    run_medium = medium
+                    run_map = maps.get((rank, medium))
+                    run_keys = None
+                hashes = event.block_hashes
+                if run_map is None:
+                    unknown += len(hashes)
+                    continue
+                pop = run_map.pop
+                for block_hash in hashes:
+                    key = pop(block_hash, None)
+                    if key is None:
+                        unknown += 1
+                        continue
+                    if run_keys is None:
+                        run_keys = []
+                        ops.append(IndexOp("remove", run_keys, medium))
+                    run_keys.append(key)
+                    removed += 1
+                continue
+            in_run = False
             if isinstance(event, BlockStored):
                 self._stored(state, rank, event, result)
             elif isinstance(event, BlockRemoved):
                 self._removed(state, rank, event, result)
             elif isinstance(event, AllBlocksCleared):
-                state.maps.clear()
-                result.ops.append(IndexOp("clear"))
+                maps.clear()
+                ops.append(IndexOp("clear"))
+        result.removed_blocks += removed
+        result.unknown_removals += unknown
         return result
 
     def _stored(self, state: PodIngest, rank: int, event: BlockStored, out: ApplyResult) -> None:
         hashes = event.block_hashes
         if not hashes:
             return
-        block_size = event.block_size or len(event.token_ids) // len(hashes)
-        if block_size <= 0 or len(event.token_ids) < block_size * len(hashes):
+        token_ids = event.token_ids
+        block_size = event.block_size or len(token_ids) // len(hashes)
+        if block_size <= 0 or len(token_ids) < block_size * len(hashes):
             out.malformed_events += 1
             return
-        medium = medium_of(event.medium)
-        tier_map = state.maps.setdefault((rank, medium), {})
+        raw_medium = event.medium
+        medium: Medium = (
+            "GPU" if raw_medium is None or raw_medium == "GPU" else medium_of(raw_medium)
+        )
+        maps = state.maps
+        tier = (rank, medium)
+        tier_map = maps.get(tier)
+        if tier_map is None:
+            tier_map = maps[tier] = {}
         parent = event.parent_block_hash
         if parent is None:
             seed = state.root(event.lora_name, cache_salt_of(event), block_size)
         else:
             found = tier_map.get(parent)
             if found is None:
-                other = state.maps.get((rank, "CPU" if medium == "GPU" else "GPU"))
+                other = maps.get((rank, "CPU" if medium == "GPU" else "GPU"))
                 found = None if other is None else other.get(parent)
             if found is None:
                 out.orphan_blocks += len(hashes)
                 return
             seed = found
         # extend_keys ignores tokens past the last full block, so no slicing is needed.
-        keys = extend_keys(seed, event.token_ids, block_size)[: len(hashes)]
+        keys = extend_keys(seed, token_ids, block_size)
+        if len(keys) != len(hashes):
+            keys = keys[: len(hashes)]
         tier_map.update(zip(hashes, keys, strict=True))
         state.block_size = block_size
         out.stored_blocks += len(keys)

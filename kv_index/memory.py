@@ -98,13 +98,16 @@ class MemoryBlockIndex:
     # ---- writes ----------------------------------------------------------------------
 
     def add_sync(self, pod: str, keys: Iterable[int], medium: Medium | str = "GPU") -> None:
-        slot = self._slot(pod)
-        bit = 1 << (2 * slot + _medium_offset(medium))
+        # One call per stored batch, so per-call overhead counts for one-block batches.
+        slot = self._slot_of.get(pod)
+        if slot is None:
+            slot = self._slot(pod)
+        bit = 1 << (2 * slot + (0 if medium == "GPU" else _medium_offset(medium)))
         pair = 3 << (2 * slot)
         table = self._table
         share = self._interned().setdefault
         spec = self._spec
-        if not isinstance(keys, list | tuple):
+        if type(keys) is not list and not isinstance(keys, list | tuple):
             keys = list(keys)
         if table.keys().isdisjoint(keys):
             # The usual case, newly stored blocks: one C-level update.
@@ -120,7 +123,7 @@ class MemoryBlockIndex:
                 new = old | bit
                 table[key] = share(new, new)
             self._entries += added
-        if spec and not spec.keys().isdisjoint(keys):
+        if spec:
             self._drop_speculative(slot, keys)  # an event confirmed them
         if len(table) > self.capacity:
             self._evict(len(table) - self.capacity + self._evict_chunk)
@@ -132,22 +135,24 @@ class MemoryBlockIndex:
         bit = 1 << (2 * slot + _medium_offset(medium))
         pair = 3 << (2 * slot)
         table = self._table
+        table_get = table.get
         share = self._interned().setdefault
-        spec = self._spec
+        if not isinstance(keys, list | tuple):
+            keys = list(keys)
+        dropped = 0
         for key in keys:
-            old = table.get(key)
+            old = table_get(key)
             if old is not None and old & bit:
                 new = old & ~bit
                 if not new & pair:
-                    self._entries -= 1
+                    dropped += 1
                 if new:
                     table[key] = share(new, new)  # keeps its recency position
                 else:
                     del table[key]
-            if spec:
-                slots = spec.get(key)
-                if slots is not None and slots.pop(slot, None) is not None and not slots:
-                    del spec[key]
+        self._entries -= dropped
+        if self._spec:
+            self._drop_speculative(slot, keys)
 
     def clear_pod_sync(self, pod: str) -> None:
         """Forgets everything about `pod` and frees its slot."""
@@ -191,38 +196,43 @@ class MemoryBlockIndex:
         expiry = now + ttl_s
         table = self._table
         spec = self._spec
+        spec_get = spec.get
         fresh: list[int] = []
-        for key in keys:
-            held = table.get(key, 0)
+        append = fresh.append
+        # Holder masks fetched in C; most keys of a routed prompt are not yet on the pod.
+        for key, held in zip(keys, map(table.get, keys, repeat(0)), strict=True):
             if held & pair:
                 # Confirmed already: the pod is about to reuse it, so it counts as used.
                 table[key] = table.pop(key)
                 continue
-            slots = spec.get(key)
+            slots = spec_get(key)
             if slots is None:
                 spec[key] = {slot: expiry}
             else:
                 slots[slot] = expiry
-            fresh.append(key)
+            append(key)
         if fresh:
             heapq.heappush(self._spec_heap, (expiry, slot, tuple(fresh)))
 
     def _drop_speculative(self, slot: int, keys: Iterable[int]) -> None:
         spec = self._spec
-        for key in keys:
-            slots = spec.get(key)
-            if slots is not None and slots.pop(slot, None) is not None and not slots:
+        # Only keys with a speculative entry matter; the intersection is found in C.
+        for key in spec.keys() & keys:
+            slots = spec[key]
+            if slots.pop(slot, None) is not None and not slots:
                 del spec[key]
 
     def _expire(self, now: float) -> None:
         heap = self._spec_heap
         spec = self._spec
+        spec_get = spec.get
+        later = now + 1
         while heap and heap[0][0] <= now:
             _, slot, keys = heapq.heappop(heap)
             for key in keys:
-                slots = spec.get(key)
+                slots = spec_get(key)
                 # A later speculative add may have extended this entry.
-                if slots is not None and slots.get(slot, now + 1) <= now:
+                if slots is not None and slots.get(slot, later) <= now:
                     del slots[slot]
                     if not slots:
                         del spec[key]

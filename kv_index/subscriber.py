@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, suppress
 from typing import Any
@@ -258,8 +259,13 @@ class PodEventStream:
                 **{name: metrics.EVENTS.labels(pod, name) for name in _EVENT_TYPES},
             }
         metrics.LAG.observe(max(0.0, self._wall_clock() - batch.ts))
-        for event in batch.events:
-            counters[type(event).__name__].inc()
+        events = batch.events
+        if len(events) == 1:
+            counters[type(events[0]).__name__].inc()
+        else:
+            # One increment per event type, not per event: a batch may hold hundreds.
+            for event_type, count in Counter(map(type, events)).items():
+                counters[event_type.__name__].inc(count)
         if result.stored_blocks:
             counters["stored"].inc(result.stored_blocks)
         if result.removed_blocks:

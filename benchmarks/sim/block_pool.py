@@ -14,7 +14,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from smart_epp.benchmarks.sim.events import BlockRemoved
-from smart_epp.benchmarks.sim.vllm_hash import published_id
 
 
 class BlockPool:
@@ -74,12 +73,16 @@ class BlockPool:
 
     def allocate(self, n: int, removed: list[BlockRemoved]) -> list[int] | None:
         """Takes ``n`` blocks from the LRU head, evicting their hashes into ``removed``."""
-        if n > len(self._free):
+        free = self._free
+        if n > len(free):
             return None
-        free, ref, digest, cached = self._free, self._ref, self._digest, self._cached
+        ref, digest, cached = self._ref, self._digest, self._cached
+        popitem = free.popitem
+        from_bytes = int.from_bytes
         out: list[int] = []
+        append = out.append
         for _ in range(n):
-            b, _none = free.popitem(last=False)
+            b = popitem(False)[0]
             d = digest[b]
             if d is not None:
                 holders = cached.get(d)
@@ -88,9 +91,10 @@ class BlockPool:
                     if not holders:
                         del cached[d]
                 digest[b] = None
-                removed.append(BlockRemoved(block_hashes=[published_id(d)]))
+                # published_id, inlined: evictions run by the million in a replay.
+                removed.append(BlockRemoved([from_bytes(d[-8:], "big")]))
             ref[b] = 1
-            out.append(b)
+            append(b)
         return out
 
     def free(self, blocks: Sequence[int]) -> None:
@@ -105,6 +109,18 @@ class BlockPool:
         """Records that ``block`` now holds the full block ``digest``."""
         self._digest[block] = digest
         self._cached.setdefault(digest, {})[block] = None
+
+    def cache_many(self, blocks: Sequence[int], digests: Sequence[bytes]) -> None:
+        """``cache`` for each (block, digest) pair."""
+        digest_of, cached = self._digest, self._cached
+        holders_of = cached.get
+        for block, d in zip(blocks, digests, strict=True):
+            digest_of[block] = d
+            holders = holders_of(d)
+            if holders is None:
+                cached[d] = {block: None}
+            else:
+                holders[block] = None
 
     def is_cached(self, block: int) -> bool:
         return self._digest[block] is not None

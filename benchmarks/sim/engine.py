@@ -38,6 +38,9 @@ from smart_epp.benchmarks.sim.histogram import (
 from smart_epp.benchmarks.sim.profiles import DEFAULT_PROFILE, LatencyProfile, get_profile
 from smart_epp.benchmarks.sim.vllm_hash import BlockHasher, HashAlgo, lora_extra_keys, published_id
 
+# published_id, bound once: it runs for every stored block.
+_from_bytes = int.from_bytes
+
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
@@ -324,6 +327,8 @@ class SimEngine:
     def _admit_waiting(
         self, budget: int, scheduled: list[tuple[_Req, int]], events: list[KVEvent]
     ) -> None:
+        if not self.waiting:
+            return
         loras = {r.lora for r in self.running if r.lora}
         skipped: list[_Req] = []
         waiting = self.waiting
@@ -394,9 +399,8 @@ class SimEngine:
         if full <= first:
             return
         self._ensure_digests(r, full)
-        pool, digests, ids = self.pool, r.digests, r.block_ids
-        for i in range(first, full):
-            pool.cache(ids[i], digests[i])
+        digests = r.digests
+        self.pool.cache_many(r.block_ids[first:full], digests[first:full])
         r.num_cached_blocks = full
         parent = published_id(digests[first - 1]) if first > 0 else None
         events.append(self._stored_event(r, first, full, parent))
@@ -404,7 +408,7 @@ class SimEngine:
     def _stored_event(self, r: _Req, first: int, end: int, parent: int | None) -> BlockStored:
         bs = self.block_size
         return BlockStored(
-            block_hashes=[published_id(d) for d in r.digests[first:end]],
+            block_hashes=[_from_bytes(d[-8:], "big") for d in r.digests[first:end]],
             parent_block_hash=parent,
             token_ids=r.tokens[first * bs : end * bs],
             block_size=bs,
@@ -418,12 +422,7 @@ class SimEngine:
         have = len(r.digests)
         if have >= num_blocks:
             return
-        bs, hasher, digests = self.block_size, self.hasher, r.digests
-        parent = digests[-1] if digests else None
-        for i in range(have, num_blocks):
-            keys = r.first_extra if (i == 0 and r.first_extra is not None) else r.extra_keys
-            parent = hasher.block_digest(parent, r.tokens[i * bs : (i + 1) * bs], keys)
-            digests.append(parent)
+        self.hasher.extend(r.digests, r.tokens, num_blocks, r.extra_keys, r.first_extra)
 
     def _preempt(self, r: _Req) -> None:
         """Recompute preemption: drop the request's KV and send it back to the queue front."""

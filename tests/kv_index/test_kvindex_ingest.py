@@ -49,3 +49,38 @@ def test_ranks_keep_separate_hash_maps() -> None:
     st.apply("p", batch(BlockStored([1], None, [1, 2], 2), rank=0), "m")
     r = st.apply("p", batch(BlockRemoved([1]), rank=1))
     assert r.ops == [] and r.unknown_removals == 1
+
+
+def test_consecutive_removals_from_one_tier_make_one_op_in_event_order() -> None:
+    st = IngestState()
+    tokens = list(range(12))
+    st.apply("p", batch(BlockStored([1, 2, 3], None, tokens[:6], 2)), "m")
+    st.apply("p", batch(BlockStored([4, 5, 6], None, tokens[6:], 2, medium="CPU")), "m")
+    gpu = block_keys(tokens[:6], 2, KeyScope("m"))
+    cpu = block_keys(tokens[6:], 2, KeyScope("m"))
+    r = st.apply(
+        "p",
+        batch(
+            BlockRemoved([3]),
+            BlockRemoved([77]),  # never stored: counted, not an op
+            BlockRemoved([2]),
+            BlockRemoved([6], medium="CPU"),
+            BlockRemoved([5], medium="CPU"),
+            BlockStored([7], None, [9, 9], 2),
+            BlockRemoved([1]),
+        ),
+    )
+    assert r.ops == [
+        IndexOp("remove", [gpu[2], gpu[1]], "GPU"),
+        IndexOp("remove", [cpu[2], cpu[1]], "CPU"),
+        IndexOp("add", block_keys([9, 9], 2, KeyScope("m")), "GPU"),
+        IndexOp("remove", [gpu[0]], "GPU"),
+    ]
+    assert r.removed_blocks == 5 and r.unknown_removals == 1 and r.stored_blocks == 1
+    assert st.pod("p").hashes_known() == 2  # type: ignore[union-attr]
+
+
+def test_removals_of_an_unknown_tier_are_counted_without_ops() -> None:
+    st = IngestState()
+    r = st.apply("p", batch(BlockRemoved([1, 2]), BlockRemoved([3], medium="CPU")), "m")
+    assert r.ops == [] and r.unknown_removals == 3 and r.removed_blocks == 0

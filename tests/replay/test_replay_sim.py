@@ -131,3 +131,13 @@ def test_kv_events_reach_the_sink_through_the_wire_encoding() -> None:
         assert all(isinstance(e, BlockStored) for e in batch.events)
     for seqs in per_pod.values():
         assert seqs == list(range(len(seqs)))
+
+
+def test_collector_settings_are_restored_after_a_simulation() -> None:
+    import gc
+
+    before = gc.get_threshold()
+    frozen = gc.get_freeze_count()
+    simulate_policy("round-robin", _workload(), _config(), seed=1)
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() <= frozen

@@ -92,3 +92,19 @@ def test_partial_block_is_not_hashed_and_bad_config_is_refused():
         BlockHasher(4, "md5")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         BlockHasher(0)
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_incremental_extend_equals_chain(algo: str) -> None:
+    hasher = BlockHasher(4, algo, "seed")  # type: ignore[arg-type]
+    tokens = list(range(100, 130))  # 7 full blocks and a partial one
+    extra = (("lora", "a", "/p"),)
+    first = (("lora", "a", "/p"), "salt")
+    expected = hasher.chain(tokens, extra, first_block_extra=first)
+    digests: list[bytes] = []
+    hasher.extend(digests, tokens, 3, extra, first)
+    assert digests == expected[:3]
+    hasher.extend(digests, tokens, 7, extra, first)
+    assert digests == expected
+    hasher.extend(digests, tokens, 5, extra, first)  # never shrinks or rehashes
+    assert digests == expected
