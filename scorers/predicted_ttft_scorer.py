@@ -11,7 +11,10 @@ For each candidate pod:
          + KV-pressure penalty                  no free KV for the prompt: wait for one to end
          + hot-spot penalty                     load far above the pool's mean
 
-`uncached` comes from the KV index (tokens held at the pod's block size). `backlog` is
+`uncached` comes from the KV index (tokens held at the pod's block size) and, with
+`routedPrefixSeconds` set, from the prompts this gateway sent the pod and has not seen
+answered: a request sharing a prefix then follows it even when the first one has waited
+in a queue longer than the index's speculative entries last. `backlog` is
 the larger of (a) the prefill work this gateway routed to the pod, draining at the pod's
 rate since, and (b) the pod's scraped waiting queue times the mean uncached prompt size.
 The prefill rate is learned per pod from observed TTFTs, but only from requests that
@@ -36,7 +39,13 @@ pod that cached it first (the cache-aware routers' balance rule, made gradual): 
 requests, each extra request costs `hotspotPenaltySeconds`, so the prefix spreads to
 other pods once the first one is clearly busier.
 
-Score = min_ttft / ttft, so the fastest pod scores 1 and the plugin mixes with others.
+Pods are ranked by cost = ttft + `congestionWeight` x queued requests x (own prefill time
++ the KV-wait its uncached tokens cause when KV is short). With an empty queue that is the
+TTFT alone; with a long one, a cache miss delays every request behind it, so the pool
+keeps its prefixes where they are cached instead of trading them for a queue that is a
+few percent shorter, which past saturation loses the cache and the throughput with it.
+
+Score = min_cost / cost, so the best pod scores 1 and the plugin mixes with others.
 """
 
 from __future__ import annotations
@@ -77,6 +86,15 @@ class PredictedTTFTParams(PluginParams):
     rateWindow: int = Field(default=32, ge=1)
     rateBand: float = Field(default=4.0, ge=1)
     rateTrustSamples: int = Field(default=5, ge=1)
+    # Weight of the delay a request's own prefill imposes on the requests queued behind
+    # it, added to its predicted TTFT when ranking pods (0: rank by TTFT alone).
+    congestionWeight: float = Field(default=1.0, ge=0)
+    # Prompt prefixes this gateway routed count as held by that pod until answered (at
+    # most this long), so requests sharing a prefix follow it even when it waits in a
+    # queue longer than the KV index's own speculative entries last (0: off, the
+    # default: the index's entries cover bursts, and this costs hashing every prompt).
+    routedPrefixSeconds: float = Field(default=0.0, ge=0)
+    routedPrefixChunkTokens: int = Field(default=256, ge=1)
     staleAfterSeconds: float = Field(default=1.0, gt=0)
     blockSize: int | None = Field(default=None, gt=0)
 
@@ -111,15 +129,105 @@ class Routed:
     routed_at: float
     step_s: float = 0.0  # decode-batch share of the predicted wait
     learnable: bool = True  # short queue ahead and no adapter load: a clean prefill sample
+    chunk_keys: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class Prediction:
     ttft_s: list[float]
+    cost_s: list[float]  # ttft_s plus the delay imposed on requests queued behind
     uncached: list[float]
     work: list[float]
     step_s: list[float]
     learnable: list[bool]
+    chunk_keys: list[int]
+
+
+def chunk_keys(token_ids: Sequence[int] | None, chunk_tokens: int) -> list[int]:
+    """Chained keys of the prompt's whole `chunk_tokens` chunks: equal keys mean equal
+    prefixes (within one process; ints hash deterministically)."""
+    if not token_ids:
+        return []
+    keys: list[int] = []
+    key = 0
+    for start in range(0, len(token_ids) - chunk_tokens + 1, chunk_tokens):
+        key = hash((key, tuple(token_ids[start : start + chunk_tokens])))
+        keys.append(key)
+    return keys
+
+
+class RoutedPrefixes:
+    """Prompt prefixes this gateway sent to each pod and has not seen answered yet.
+
+    The KV index learns a prefix only once a pod has computed it and its events arrived;
+    a request sharing the prefix that comes sooner (a burst, or a queue too long to reach
+    the prefill yet) would otherwise see no holder and be sent anywhere, so the group
+    spreads and every pod prefills the prefix again. Once the response ends the index
+    is the authority again; `ttl_s` bounds how long a lost response keeps an entry.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        # key -> address -> [requests in flight, expires at]
+        self._holders: dict[int, dict[str, list[float]]] = {}
+        self._expiry: deque[tuple[float, int, str]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def add(self, keys: Sequence[int], address: str, now: float) -> None:
+        if self.ttl_s <= 0 or not keys:
+            return
+        self._expire(now)
+        until = now + self.ttl_s
+        for key in keys:
+            entry = self._holders.setdefault(key, {}).get(address)
+            if entry is None:
+                self._holders[key][address] = [1.0, until]
+            else:
+                entry[0] += 1.0
+                entry[1] = until
+            self._expiry.append((until, key, address))
+
+    def release(self, keys: Sequence[int], address: str) -> None:
+        for key in keys:
+            holders = self._holders.get(key)
+            entry = holders.get(address) if holders is not None else None
+            if entry is None:
+                continue
+            entry[0] -= 1.0
+            if entry[0] <= 0:
+                del holders[address]  # type: ignore[union-attr]
+                if not holders:
+                    del self._holders[key]
+
+    def matched_chunks(self, keys: Sequence[int], now: float) -> dict[str, int]:
+        """Per pod, how many leading chunks of `keys` it was sent and not yet answered."""
+        run: dict[str, int] = {}
+        holders_by_depth: list[dict[str, list[float]]] = []
+        for n, key in enumerate(keys, 1):
+            holders = self._holders.get(key)
+            if not holders:
+                break
+            # Keys are chained, so holding chunk n means holding chunks 1..n as well.
+            run.update(dict.fromkeys(holders, n))
+            holders_by_depth.append(holders)
+        for address, n in list(run.items()):
+            if holders_by_depth[n - 1][address][1] <= now:
+                del run[address]
+        return run
+
+    def _expire(self, now: float) -> None:
+        expiry = self._expiry
+        while expiry and expiry[0][0] <= now:
+            _, key, address = expiry.popleft()
+            holders = self._holders.get(key)
+            entry = holders.get(address) if holders is not None else None
+            # A later add refreshed the entry: that add's own record removes it.
+            if entry is not None and entry[1] <= now:
+                del holders[address]  # type: ignore[union-attr]
+                if not holders:
+                    del self._holders[key]
 
 
 def _ewma(old: float | None, sample: float, alpha: float) -> float:
@@ -161,6 +269,7 @@ class PredictedTTFTScorer(Scorer):
         self.mean_uncached_tokens = params.meanPromptTokens
         self.mean_prompt_tokens = params.meanPromptTokens
         self.mean_output_tokens = params.meanOutputTokens
+        self.routed_prefixes = RoutedPrefixes(params.routedPrefixSeconds)
 
     # ------------------------------------------------------------------ model
 
@@ -210,6 +319,9 @@ class PredictedTTFTScorer(Scorer):
         learn_ratio = p.learnMaxQueueRatio
         prompt_len = ctx.prompt_tokens
         explain = ctx.components if ctx.explain else None
+        chunk = p.routedPrefixChunkTokens
+        keys = chunk_keys(ctx.token_ids, chunk) if p.routedPrefixSeconds > 0 else []
+        routed_runs = self.routed_prefixes.matched_chunks(keys, now) if keys else {}
 
         fresh: list[bool] = []
         loads: list[int] = []
@@ -222,7 +334,9 @@ class PredictedTTFTScorer(Scorer):
         hot_limit = p.hotspotRelativeThreshold * min(loads) + p.hotspotSlack
         hot_penalty = p.hotspotPenaltySeconds
 
+        congestion = p.congestionWeight
         ttfts: list[float] = []
+        costs: list[float] = []
         uncached_list: list[float] = []
         work_list: list[float] = []
         step_list: list[float] = []
@@ -245,6 +359,15 @@ class PredictedTTFTScorer(Scorer):
                 )
                 if held.medium == "CPU":
                     cpu_s = hit_tokens / cpu_rate
+            routed_chunks = routed_runs.get(address)
+            if routed_chunks:
+                block_size = block_sizes.get(address) or 1
+                routed_tokens = float(
+                    reusable_tokens(prompt_len, routed_chunks * chunk // block_size, block_size)
+                )
+                if routed_tokens > hit_tokens:
+                    hit_tokens = routed_tokens
+                    cpu_s = 0.0
             uncached = prompt - hit_tokens
             backlog = 0.0
             if model is not None and model.backlog_tokens > 0:
@@ -264,6 +387,7 @@ class PredictedTTFTScorer(Scorer):
             kv_s = 0.0
             needs_slot = adapter is not None and not adapter_active(pod, adapter)
             kv_tight = False
+            kv_s_per_token = 0.0
             deficit = 0.0
             if ok:
                 block_size = block_sizes.get(address)
@@ -289,10 +413,18 @@ class PredictedTTFTScorer(Scorer):
                     # Space frees as running requests end, about one per (mean decode
                     # time / running requests), each returning a mean request's KV.
                     finishing = max(1.0, deficit / request_kv_tokens)
-                    kv_s = finishing * mean_output * tpot / max(1, running)
+                    kv_s_per_token = mean_output * tpot / (max(1, running) * request_kv_tokens)
+                    kv_s = finishing * kv_s_per_token * request_kv_tokens
             hot_s = (load - hot_limit) * hot_penalty if load > hot_limit else 0.0
             ttft = p.overheadSeconds + wait_s + prefill_s + adapter_s + kv_s + hot_s
+            queued = max(waiting, pod.inflight.requests - m.running) if ok else load
+            # The requests behind wait for this one's prefill and, when KV is what they
+            # queue for, for the KV its uncached tokens hold until it ends.
+            congestion_s = (
+                congestion * queued * (prefill_s + uncached * kv_s_per_token) if queued > 0 else 0.0
+            )
             ttfts.append(ttft)
+            costs.append(ttft + congestion_s)
             uncached_list.append(uncached)
             work_list.append(backlog + uncached)
             step_list.append(run_s)
@@ -306,19 +438,22 @@ class PredictedTTFTScorer(Scorer):
                     adapter_s=adapter_s,
                     kv_s=kv_s,
                     hot_s=hot_s,
+                    congestion_s=congestion_s,
                     ttft_s=ttft,
                     hit_tokens=hit_tokens,
                 )
-        prediction = Prediction(ttfts, uncached_list, work_list, step_list, learnable_list)
+        prediction = Prediction(
+            ttfts, costs, uncached_list, work_list, step_list, learnable_list, keys
+        )
         ctx.scratch[SCRATCH_KEY] = (pods, prediction)
         return prediction
 
     def score(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[float]:
         if not pods:
             return []
-        ttfts = self.predict(ctx, pods).ttft_s
-        best = min(ttfts)
-        return [best / t if t > 0 else 1.0 for t in ttfts]
+        costs = self.predict(ctx, pods).cost_s
+        best = min(costs)
+        return [best / c if c > 0 else 1.0 for c in costs]
 
     # ------------------------------------------------------------------ learning
 
@@ -344,6 +479,7 @@ class PredictedTTFTScorer(Scorer):
             model = self.pods[address] = self._new_model(chosen)
         model.backlog_tokens = self.routed_backlog(address, rate, ctx.now) + prediction.uncached[i]
         model.backlog_at = ctx.now
+        self.routed_prefixes.add(prediction.chunk_keys, address, ctx.now)
         alpha = self.params.learningRate
         self.mean_uncached_tokens = _ewma(
             self.mean_uncached_tokens, max(1.0, prediction.uncached[i]), alpha
@@ -355,6 +491,7 @@ class PredictedTTFTScorer(Scorer):
             ctx.now,
             step_s=prediction.step_s[i],
             learnable=prediction.learnable[i],
+            chunk_keys=prediction.chunk_keys,
         )
         while len(self._pending) > MAX_PENDING:
             self._pending.popitem(last=False)
@@ -371,6 +508,7 @@ class PredictedTTFTScorer(Scorer):
         routed = self._pending.pop(ctx.request.request_id, None)
         if routed is None or routed.address != address:
             return
+        self.routed_prefixes.release(routed.chunk_keys, address)
         p = self.params
         model = self.pods.get(address)
         if model is None:

@@ -8,9 +8,9 @@ import pytest
 from sched_helpers import pod, request
 
 from smart_epp.epp.config import plugin_types
+from smart_epp.epp.types import Usage
 from smart_epp.kv_index.api import PrefixHit
 from smart_epp.scorers.base import SchedulingContext
-from smart_epp.epp.types import Usage
 from smart_epp.scorers.predicted_ttft_scorer import (
     PredictedTTFTScorer,
     reusable_tokens,
@@ -182,6 +182,7 @@ def test_kv_wait_grows_with_the_deficit_and_shrinks_with_more_requests_finishing
         pod("small:1", kv=0.99, num_gpu_blocks=1000, running=10),  # 160 tokens free
         pod("many:1", kv=0.99, num_gpu_blocks=1000, running=40),
         pod("roomy:1", kv=0.5, num_gpu_blocks=1000, running=10),
+        pod("queued:1", kv=0.99, num_gpu_blocks=1000, running=10, waiting=2),
     ]
     c = ctx(4160)  # 4000 tokens short of space: four mean requests (900 + 100) must end
     c.block_sizes = {p.address: 16 for p in pods}
@@ -190,3 +191,68 @@ def test_kv_wait_grows_with_the_deficit_and_shrinks_with_more_requests_finishing
     assert comp["small:1"]["kv_s"] == pytest.approx(4 * 100 * 0.01 / 10)
     assert comp["many:1"]["kv_s"] == pytest.approx(4 * 100 * 0.01 / 40)
     assert comp["roomy:1"]["kv_s"] == 0.0
+    # Two requests queue behind this one for KV: they wait for its prefill and for the
+    # 4160 tokens of KV it holds (1 s of decode frees 10 x 1000 tokens).
+    per_token = 100 * 0.01 / (10 * 1000)
+    assert comp["queued:1"]["congestion_s"] == pytest.approx(2 * (4160 / RATE + 4160 * per_token))
+    assert comp["roomy:1"]["congestion_s"] == 0.0
+
+
+def test_prefixes_in_flight_count_as_held_until_answered_or_expired():
+    s = scorer(overheadSeconds=0.0, routedPrefixSeconds=30.0, routedPrefixChunkTokens=256)
+    a, b = pod("a:1"), pod("b:1")
+    first = ctx(1000, now=100.0)
+    s.score(first, [a, b])
+    s.on_routed(first, b)
+    # The same 1000-token prompt again, before any KV event: b was sent its first three
+    # whole 256-token chunks.
+    again = ctx(1000, now=100.01)
+    s.score(again, [a, b])
+    assert again.components["b:1"]["hit_tokens"] == 768
+    assert again.components["a:1"]["hit_tokens"] == 0
+    # A prompt that differs from the first token on shares nothing.
+    other = SchedulingContext(
+        request=request(tokens=[7] * 1000), now=100.02, prompt_tokens=1000,
+        token_ids=[7] * 1000, block_sizes={"a:1": 16, "b:1": 16}, explain=True,
+    )  # fmt: skip
+    s.score(other, [a, b])
+    assert other.components["b:1"]["hit_tokens"] == 0
+    # Once answered, the KV index is the authority again.
+    s.on_response(first, "b:1", None, None, True, now=101.0)
+    after = ctx(1000, now=101.0)
+    s.score(after, [a, b])
+    assert after.components["b:1"]["hit_tokens"] == 0
+    # An answer that never comes stops counting after routedPrefixSeconds.
+    s.on_routed(after, b)
+    late = ctx(1000, now=131.5)
+    s.score(late, [a, b])
+    assert late.components["b:1"]["hit_tokens"] == 0
+
+
+def test_prefixes_in_flight_are_left_to_the_index_by_default():
+    s = scorer(overheadSeconds=0.0)
+    first = ctx(1000, now=100.0)
+    s.score(first, [pod("a:1"), pod("b:1")])
+    s.on_routed(first, pod("b:1"))
+    again = ctx(1000, now=100.01)
+    s.score(again, [pod("a:1"), pod("b:1")])
+    assert again.components["b:1"]["hit_tokens"] == 0
+
+
+def test_a_long_queue_makes_a_cache_miss_cost_everyone_behind_it():
+    def rank(weight: float) -> tuple[str, dict]:
+        s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0, meanPromptTokens=1000,
+                   congestionWeight=weight, routedPrefixSeconds=0.0)  # fmt: skip
+        pods = [pod("a:1", waiting=10), pod("b:1", waiting=8)]
+        c = ctx(1008, hits={"a:1": PrefixHit(blocks=57)})  # a holds 912 tokens: 96 to go
+        scores = s.score(c, pods)
+        return pods[scores.index(1.0)].address, c.components
+
+    chosen, comp = rank(0.0)
+    # By TTFT alone b is sooner: (8 x 1000 + 1008) vs (10 x 1000 + 96) tokens ahead.
+    assert chosen == "b:1" and comp["b:1"]["ttft_s"] < comp["a:1"]["ttft_s"]
+    chosen, comp = rank(1.0)
+    # But b would prefill 1008 tokens ahead of 8 queued requests, a only 96 ahead of 10.
+    assert comp["b:1"]["congestion_s"] == pytest.approx(8 * 1008 / RATE)
+    assert comp["a:1"]["congestion_s"] == pytest.approx(10 * 96 / RATE)
+    assert chosen == "a:1"
