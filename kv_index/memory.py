@@ -20,6 +20,7 @@ import heapq
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import groupby, repeat
+from operator import or_
 
 from smart_epp.epp.types import Medium
 from smart_epp.kv_index.api import PrefixHit
@@ -58,6 +59,9 @@ class MemoryBlockIndex:
         self._all_pods_mask = 0  # the GPU bit of every slot in use
         self._entries = 0  # (block, pod) pairs held, speculative ones excluded
         self._spec: dict[int, dict[int, float]] = {}  # key -> slot -> expiry
+        # key -> GPU bits of the slots holding it speculatively (kept equal to _spec's
+        # slots), so a lookup merges speculative holders with C-level maps, not a loop.
+        self._spec_mask: dict[int, int] = {}
         self._spec_heap: list[tuple[float, int, tuple[int, ...]]] = []
         self.evicted_blocks = 0
 
@@ -180,10 +184,7 @@ class MemoryBlockIndex:
             del table[key]
         self._entries -= len(changed) + len(emptied)
         for key in [k for k, slots in self._spec.items() if slot in slots]:
-            slots = self._spec[key]
-            del slots[slot]
-            if not slots:
-                del self._spec[key]
+            self._forget_speculative(key, slot)
         heapq.heappush(self._free_slots, slot)
 
     def add_speculative_sync(
@@ -197,6 +198,8 @@ class MemoryBlockIndex:
         table = self._table
         spec = self._spec
         spec_get = spec.get
+        mask = self._spec_mask
+        gpu_bit = 1 << (2 * slot)
         fresh: list[int] = []
         append = fresh.append
         # Holder masks fetched in C; most keys of a routed prompt are not yet on the pod.
@@ -208,19 +211,28 @@ class MemoryBlockIndex:
             slots = spec_get(key)
             if slots is None:
                 spec[key] = {slot: expiry}
+                mask[key] = gpu_bit
             else:
                 slots[slot] = expiry
+                mask[key] |= gpu_bit
             append(key)
         if fresh:
             heapq.heappush(self._spec_heap, (expiry, slot, tuple(fresh)))
 
     def _drop_speculative(self, slot: int, keys: Iterable[int]) -> None:
-        spec = self._spec
         # Only keys with a speculative entry matter; the intersection is found in C.
-        for key in spec.keys() & keys:
-            slots = spec[key]
-            if slots.pop(slot, None) is not None and not slots:
-                del spec[key]
+        for key in self._spec.keys() & keys:
+            self._forget_speculative(key, slot)
+
+    def _forget_speculative(self, key: int, slot: int) -> None:
+        slots = self._spec[key]
+        if slots.pop(slot, None) is None:
+            return
+        if slots:
+            self._spec_mask[key] &= ~(1 << (2 * slot))
+        else:
+            del self._spec[key]
+            del self._spec_mask[key]
 
     def _expire(self, now: float) -> None:
         heap = self._spec_heap
@@ -233,9 +245,7 @@ class MemoryBlockIndex:
                 slots = spec_get(key)
                 # A later speculative add may have extended this entry.
                 if slots is not None and slots.get(slot, later) <= now:
-                    del slots[slot]
-                    if not slots:
-                        del spec[key]
+                    self._forget_speculative(key, slot)
 
     def _evict(self, count: int) -> None:
         table = self._table
@@ -288,7 +298,7 @@ class MemoryBlockIndex:
         # holders (the usual case along a shared prefix) are then handled as one step.
         values = list(map(table_get, keys, repeat(0)))
         if self._spec:
-            self._merge_speculative(keys, values)
+            values = self._merge_speculative(keys, values)
         counts: dict[int, int] = {}
         cpu_only = 0
         index = 0
@@ -318,18 +328,12 @@ class MemoryBlockIndex:
             if n
         }
 
-    def _merge_speculative(self, keys: Sequence[int], values: list[int]) -> None:
-        now = self._clock()
-        self._expire(now)
-        spec = self._spec
-        if not spec.keys() & keys:
-            return
-        for i, key in enumerate(keys):
-            slots = spec.get(key)
-            if slots:
-                for slot, expiry in slots.items():
-                    if expiry > now:
-                        values[i] |= 1 << (2 * slot)
+    def _merge_speculative(self, keys: Sequence[int], values: list[int]) -> list[int]:
+        self._expire(self._clock())  # what is left in the mask has not expired
+        mask = self._spec_mask
+        if mask.keys().isdisjoint(keys):
+            return values
+        return list(map(or_, values, map(mask.get, keys, repeat(0))))
 
     # ---- BlockIndex (async) ------------------------------------------------------------
 
