@@ -50,25 +50,26 @@ class EventBatch(msgspec.Struct, array_like=True, frozen=True):
     data_parallel_rank: int | None = None
 
 
-# The positional encoding of older vLLM: same fields, same order, tag first.
-class _ArrayBlockStored(msgspec.Struct, tag="BlockStored", array_like=True):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None = None
-    token_ids: list[int] = []
-    block_size: int = 0
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-
-
-class _ArrayBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
-    block_hashes: list[BlockHash]
-    medium: str | None = None
-
-
-class _ArrayAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
+# The positional encoding of older vLLM: same fields, same order, tag first. Decoded
+# events are turned back into the plain classes, which is what everything else matches.
+class _ArrayBlockStored(BlockStored, tag="BlockStored", array_like=True):
     pass
+
+
+class _ArrayBlockRemoved(BlockRemoved, tag="BlockRemoved", array_like=True):
+    pass
+
+
+class _ArrayAllBlocksCleared(AllBlocksCleared, tag="AllBlocksCleared", array_like=True):
+    pass
+
+
+_POSITIONAL: dict[type[KVEvent], type[KVEvent]] = {
+    BlockStored: _ArrayBlockStored,
+    BlockRemoved: _ArrayBlockRemoved,
+    AllBlocksCleared: _ArrayAllBlocksCleared,
+}
+_PLAIN = {positional: plain for plain, positional in _POSITIONAL.items()}
 
 
 class _RawBatch(msgspec.Struct, array_like=True):
@@ -91,21 +92,8 @@ def _is_array(raw: bytes) -> bool:
 
 
 def _from_array(raw: bytes) -> KVEvent:
-    ev = _array_event.decode(raw)
-    if isinstance(ev, _ArrayBlockStored):
-        return BlockStored(
-            block_hashes=ev.block_hashes,
-            parent_block_hash=ev.parent_block_hash,
-            token_ids=ev.token_ids,
-            block_size=ev.block_size,
-            lora_id=ev.lora_id,
-            medium=ev.medium,
-            lora_name=ev.lora_name,
-            extra_keys=ev.extra_keys,
-        )
-    if isinstance(ev, _ArrayBlockRemoved):
-        return BlockRemoved(block_hashes=ev.block_hashes, medium=ev.medium)
-    return AllBlocksCleared()
+    event = _array_event.decode(raw)
+    return _PLAIN[type(event)](*msgspec.structs.astuple(event))
 
 
 def decode_batch(payload: bytes) -> tuple[EventBatch, int]:
@@ -141,26 +129,7 @@ def encode_batch(batch: EventBatch) -> bytes:
 
 def encode_batch_positional(batch: EventBatch) -> bytes:
     """The positional, tag-first encoding of older vLLM (used by tests and tools)."""
-    events: list[Any] = []
-    for ev in batch.events:
-        if isinstance(ev, BlockStored):
-            events.append(
-                [
-                    "BlockStored",
-                    ev.block_hashes,
-                    ev.parent_block_hash,
-                    ev.token_ids,
-                    ev.block_size,
-                    ev.lora_id,
-                    ev.medium,
-                    ev.lora_name,
-                    ev.extra_keys,
-                ]
-            )
-        elif isinstance(ev, BlockRemoved):
-            events.append(["BlockRemoved", ev.block_hashes, ev.medium])
-        else:
-            events.append(["AllBlocksCleared"])
+    events = [_POSITIONAL[type(ev)](*msgspec.structs.astuple(ev)) for ev in batch.events]
     return _encoder.encode([batch.ts, events, batch.data_parallel_rank])
 
 

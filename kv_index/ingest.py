@@ -46,9 +46,7 @@ class ApplyResult:
 def medium_of(raw: str | None) -> Medium:
     # vLLM names its tiers GPU/CPU (and reports "GPU" on its CPU build); any other
     # offload tier is at least as slow as CPU.
-    if raw is None or raw == "GPU":
-        return "GPU"
-    return "GPU" if raw.upper() == "GPU" else "CPU"
+    return "GPU" if raw is None or raw == "GPU" or raw.upper() == "GPU" else "CPU"
 
 
 def cache_salt_of(event: BlockStored) -> str | None:
@@ -163,8 +161,6 @@ class IngestState:
             in_run = False
             if isinstance(event, BlockStored):
                 self._stored(state, rank, event, result)
-            elif isinstance(event, BlockRemoved):
-                self._removed(state, rank, event, result)
             elif isinstance(event, AllBlocksCleared):
                 maps.clear()
                 ops.append(IndexOp("clear"))
@@ -181,10 +177,7 @@ class IngestState:
         if block_size <= 0 or len(token_ids) < block_size * len(hashes):
             out.malformed_events += 1
             return
-        raw_medium = event.medium
-        medium: Medium = (
-            "GPU" if raw_medium is None or raw_medium == "GPU" else medium_of(raw_medium)
-        )
+        medium = medium_of(event.medium)
         maps = state.maps
         tier = (rank, medium)
         tier_map = maps.get(tier)
@@ -210,18 +203,3 @@ class IngestState:
         state.block_size = block_size
         out.stored_blocks += len(keys)
         out.ops.append(IndexOp("add", keys, medium))
-
-    def _removed(self, state: PodIngest, rank: int, event: BlockRemoved, out: ApplyResult) -> None:
-        medium = medium_of(event.medium)
-        tier_map = state.maps.get((rank, medium))
-        keys: list[int] = []
-        if tier_map is not None:
-            pop = tier_map.pop
-            for block_hash in event.block_hashes:
-                key = pop(block_hash, None)
-                if key is not None:
-                    keys.append(key)
-        out.unknown_removals += len(event.block_hashes) - len(keys)
-        if keys:
-            out.removed_blocks += len(keys)
-            out.ops.append(IndexOp("remove", keys, medium))

@@ -18,8 +18,11 @@ def _by_block_size(pods: Mapping[str, int | None]) -> dict[int, list[str]]:
 
 
 def _fill(
-    groups: dict[int, list[str]], found: dict[int, dict[str, PrefixHit]]
+    pods: Mapping[str, int | None],
+    groups: dict[int, list[str]],
+    found: dict[int, dict[str, PrefixHit]],
 ) -> dict[str, PrefixHit]:
+    """Every pod of `pods` in the answer, 0 blocks where nothing was found."""
     out: dict[str, PrefixHit] = {}
     for size, members in groups.items():
         hits = found.get(size, {})
@@ -30,6 +33,8 @@ def _fill(
                 if hit is not None
                 else PrefixHit(blocks=0)
             )
+    for pod in pods:
+        out.setdefault(pod, PrefixHit(blocks=0))
     return out
 
 
@@ -49,10 +54,7 @@ async def match_prefix(
     for size, members in groups.items():
         keys = block_keys(token_ids, size, scope)
         found[size] = await index.lookup(keys, members) if keys else {}
-    out = _fill(groups, found)
-    for pod in pods:
-        out.setdefault(pod, PrefixHit(blocks=0))
-    return out
+    return _fill(pods, groups, found)
 
 
 def match_prefix_sync(
@@ -67,7 +69,4 @@ def match_prefix_sync(
     for size, members in groups.items():
         keys = block_keys(token_ids, size, scope)
         found[size] = index.lookup_sync(keys, members) if keys else {}
-    out = _fill(groups, found)
-    for pod in pods:
-        out.setdefault(pod, PrefixHit(blocks=0))
-    return out
+    return _fill(pods, groups, found)

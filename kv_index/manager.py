@@ -109,8 +109,8 @@ class KVEventManager:
         if self._started:
             return
         self._started = True
-        local = self.index if isinstance(self.index, MemoryBlockIndex) else None
-        local = local or getattr(self.index, "local", None)
+        index = self.index
+        local = index if isinstance(index, MemoryBlockIndex) else getattr(index, "local", None)
         if isinstance(local, MemoryBlockIndex):
             metrics.INDEX_ENTRIES.set_function(lambda: local.entries)
             metrics.INDEX_BLOCKS.set_function(lambda: local.blocks)
@@ -188,7 +188,7 @@ class KVEventManager:
         sub = self._subs.get(address)
         if sub is None:
             return False
-        await self._rebuild(sub)
+        await sub.stream.rebuild()
         return True
 
     async def set_model(self, address: str, model: str) -> bool:
@@ -200,21 +200,8 @@ class KVEventManager:
         if self.mode == "central" or sub.endpoint.label("model"):
             return False  # the topic or the label names the model; they win
         log.info("kv events: %s keyed by model %r from now on", address, model)
-        await self._rebuild(sub, model)
+        await sub.stream.rebuild(model)
         return True
-
-    async def _rebuild(self, sub: _Subscription, model: str | None = None) -> None:
-        stream = sub.stream
-        # The stream's lock keeps a live batch from landing between the purge and the
-        # replay; the stream's own restart handling does the same under the same lock.
-        async with stream._lock:
-            await stream._reset()
-            if model is not None:
-                stream.model = model
-                self.ingest.register_pod(stream.pod, model)
-            stream._replay_blocked_until = 0.0  # a restarted pod deserves a fresh try
-            for rank in sorted(stream._trackers) or [0]:
-                await stream._replay(rank, 0, None)
 
     def _looked_up_model(self, endpoint: Endpoint) -> str | None:
         if self.model_of is None or self.mode == "central":

@@ -24,6 +24,7 @@ from operator import or_
 
 from smart_epp.epp.types import Medium
 from smart_epp.kv_index.api import PrefixHit
+from smart_epp.kv_index.ingest import medium_of
 
 DEFAULT_CAPACITY = 4_000_000  # distinct blocks
 DEFAULT_SPECULATIVE_TTL_S = 2.0
@@ -31,10 +32,7 @@ _MASK_INTERN_LIMIT = 65_536
 
 
 def _medium_offset(medium: str | None) -> int:
-    # Anything that is not device memory (CPU, disk, remote offload) ranks as the slow tier.
-    if medium is None or medium == "GPU":
-        return 0
-    return 0 if medium.upper() == "GPU" else 1
+    return 0 if medium_of(medium) == "GPU" else 1
 
 
 class MemoryBlockIndex:
@@ -136,7 +134,7 @@ class MemoryBlockIndex:
         slot = self._slot_of.get(pod)
         if slot is None:
             return
-        bit = 1 << (2 * slot + _medium_offset(medium))
+        bit = 1 << (2 * slot + (0 if medium == "GPU" else _medium_offset(medium)))
         pair = 3 << (2 * slot)
         table = self._table
         table_get = table.get

@@ -57,12 +57,21 @@ REDIS_ERRORS = Counter(
     "smart_epp_kv_redis_errors_total", "Redis index operations that failed", ["op"]
 )
 
-_PER_POD = (EVENTS, BLOCKS, DECODE_ERRORS, SEQUENCE_GAPS, REPLAYS, REPLAYED_BATCHES, RESTARTS)
+_PER_POD = (
+    EVENTS,
+    BLOCKS,
+    DECODE_ERRORS,
+    SEQUENCE_GAPS,
+    REPLAYS,
+    REPLAYED_BATCHES,
+    RESTARTS,
+    ORPHAN_BLOCKS,
+)
 
 
 def forget_pod(pod: str) -> None:
     """Drops every per-pod series of a pod that left the pool."""
-    for metric in (*_PER_POD, ORPHAN_BLOCKS):
+    for metric in _PER_POD:
         for labels in list(metric._metrics):  # prometheus_client has no public listing
             if labels and labels[0] == pod:
                 metric.remove(*labels)

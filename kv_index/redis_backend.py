@@ -26,6 +26,7 @@ import redis.exceptions
 from smart_epp.epp.types import Medium
 from smart_epp.kv_index import metrics
 from smart_epp.kv_index.api import PrefixHit
+from smart_epp.kv_index.ingest import medium_of
 from smart_epp.kv_index.memory import DEFAULT_CAPACITY, DEFAULT_SPECULATIVE_TTL_S, MemoryBlockIndex
 
 log = logging.getLogger(__name__)
@@ -214,7 +215,7 @@ _CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.Timeout
 
 
 def _bit(medium: str | None) -> int:
-    return 1 if medium is None or medium.upper() == "GPU" else 2
+    return 1 if medium_of(medium) == "GPU" else 2
 
 
 class RedisBlockIndex:

@@ -108,10 +108,14 @@ class PodEventStream:
         # live batches for a while instead of stalling on every gap.
         self.replay_backoff_s = replay_backoff_s
         self._replay_blocked_until = 0.0
+        self._last_topic = b""
         ingest.register_pod(pod, model)
 
     def learn_model(self, topic: bytes) -> None:
         """Central mode: the model is the one the pod names in its topic."""
+        if topic == self._last_topic:
+            return  # a pod sends the same topic every batch: parse it once
+        self._last_topic = topic
         parsed = parse_topic(topic)
         if parsed is not None and parsed[1] and parsed[1] != self.model:
             self.model = parsed[1]
@@ -172,6 +176,19 @@ class PodEventStream:
                     recovered,
                 )
         await self._apply(rank, seq, batch)
+
+    async def rebuild(self, model: str | None = None) -> None:
+        """Drops what the pod published (re-keying it under `model` when given) and
+        replays its buffer from 0 on every rank seen."""
+        # Under the lock, so no live batch lands between the purge and the replay.
+        async with self._lock:
+            await self._reset()
+            if model is not None:
+                self.model = model
+                self.ingest.register_pod(self.pod, model)
+            self._replay_blocked_until = 0.0  # a restarted pod deserves a fresh try
+            for rank in sorted(self._trackers) or [0]:
+                await self._replay(rank, 0, None)
 
     async def _reset(self) -> None:
         self.ingest.reset_pod(self.pod)

@@ -28,6 +28,12 @@ def stored_batch(tokens: list[int], hashes: list[int], parent: int | None = None
     return encode_batch(EventBatch(ts=time.time(), events=[event]))
 
 
+def held_blocks(index: MemoryBlockIndex, pod: str, keys: list[int]) -> int:
+    """How many leading blocks of `keys` the index says `pod` holds."""
+    hit = index.lookup_sync(keys).get(pod)
+    return 0 if hit is None else hit.blocks
+
+
 def counter(metric: object, *labels: str) -> float:
     return metric.labels(*labels)._value.get()  # type: ignore[attr-defined]
 
@@ -96,10 +102,7 @@ async def test_dial_mode_applies_batches_and_recovers_a_dropped_one(dial) -> Non
     await publisher.publish(stored_batch([9, 10, 11, 12], [103], parent=102))
     chain = pod.keys(list(range(1, 13)))
     await async_wait_until(
-        lambda: (
-            index.lookup_sync(chain).get(pod.address) is not None
-            and index.lookup_sync(chain)[pod.address].blocks == 3
-        ),
+        lambda: held_blocks(index, pod.address, chain) == 3,
         what="the dropped batch recovered through replay",
     )
     # The first request is the resync on connect; a later one fetched the dropped batch.
@@ -113,12 +116,7 @@ async def test_publisher_restart_resets_the_pod(dial) -> None:
     await publish_until_seen(publisher, index, pod, [1, 2, 3, 4], 101)
     await publisher.publish(stored_batch([5, 6, 7, 8], [102], parent=101))
     old = pod.keys(list(range(1, 9)))
-    await async_wait_until(
-        lambda: (
-            index.lookup_sync(old).get(pod.address) is not None
-            and index.lookup_sync(old)[pod.address].blocks == 2
-        )
-    )
+    await async_wait_until(lambda: held_blocks(index, pod.address, old) == 2)
     restarts = counter(metrics.RESTARTS, pod.address)
     await publisher.restart()
     new_tokens = [50, 51, 52, 53]
@@ -136,12 +134,7 @@ async def test_malformed_frames_are_counted_and_ingestion_continues(dial) -> Non
     await publisher.send_raw([b"kv@x@m", b"short"])
     await publisher.publish(stored_batch([5, 6, 7, 8], [102], parent=101))
     chain = pod.keys(list(range(1, 9)))
-    await async_wait_until(
-        lambda: (
-            index.lookup_sync(chain).get(pod.address) is not None
-            and index.lookup_sync(chain)[pod.address].blocks == 2
-        )
-    )
+    await async_wait_until(lambda: held_blocks(index, pod.address, chain) == 2)
     assert counter(metrics.DECODE_ERRORS, pod.address) == errors + 2
 
 
@@ -156,12 +149,7 @@ async def test_connecting_late_replays_what_the_pod_buffered(ctx) -> None:
         await manager.start()
         await manager.add_endpoint(pod.endpoint)
         chain = pod.keys(list(range(1, 9)))
-        await async_wait_until(
-            lambda: (
-                index.lookup_sync(chain).get(pod.address) is not None
-                and index.lookup_sync(chain)[pod.address].blocks == 2
-            )
-        )
+        await async_wait_until(lambda: held_blocks(index, pod.address, chain) == 2)
         assert publisher.replay_requests[0] == 0
     finally:
         await manager.stop()

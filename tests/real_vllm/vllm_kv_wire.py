@@ -14,6 +14,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from smart_epp.kv_index.events import EventBatch, decode_batch
+from smart_epp.kv_index.subscriber import split_frames
 
 # vLLM's default seed when PYTHONHASHSEED is unset (the pods here unset it).
 _NONE_HASH = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=5)).digest()
@@ -77,10 +78,12 @@ class KvEventSubscriber:
     def receive(self, timeout_s: float) -> ReceivedBatch | None:
         if not self._sock.poll(timeout_s * 1000, zmq.POLLIN):
             return None
-        topic, seq, payload = self._sock.recv_multipart()
+        parts = split_frames(self._sock.recv_multipart())
+        assert parts is not None, "a KV event message that is not [topic, seq, payload]"
+        topic, seq, payload = parts
         batch, skipped = decode_batch(payload)
-        assert skipped == 0, f"{skipped} events of batch {seq!r} could not be decoded"
-        return ReceivedBatch(topic.decode(), int.from_bytes(seq, "big"), payload, batch)
+        assert skipped == 0, f"{skipped} events of batch {seq} could not be decoded"
+        return ReceivedBatch(topic.decode(), seq, payload, batch)
 
     def collect_until(
         self, done: Callable[[list[ReceivedBatch]], bool], timeout_s: float = 60.0
