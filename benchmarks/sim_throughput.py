@@ -33,6 +33,9 @@ from typing import Any
 
 import aiohttp
 
+from smart_epp.epp.demo import epp_argv
+from smart_epp.epp.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "sim_throughput.json"
 
@@ -51,12 +54,6 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def free_port_range(n: int) -> int:
     """A base port with ``n`` consecutive free ports, below the ephemeral range."""
     rng = random.Random()
@@ -73,8 +70,12 @@ def free_port_range(n: int) -> int:
     raise RuntimeError("no free port range")
 
 
+def can_pin() -> bool:
+    return shutil.which("taskset") is not None and (os.cpu_count() or 1) > 1
+
+
 def pinned(cmd: list[str], core: int) -> list[str]:
-    if shutil.which("taskset") and (os.cpu_count() or 1) > 1:
+    if can_pin():
         return ["taskset", "-c", str(core), *cmd]
     return cmd
 
@@ -212,9 +213,8 @@ def engine_full_cache_memory() -> dict[str, Any]:
 async def memory_per_pod(pods: int, args: argparse.Namespace) -> dict[str, Any]:
     async def rss_of(n: int) -> int:
         base = free_port_range(3 * n)  # HTTP, KV-event and replay ports
-        cmd = [sys.executable, "-c", "from smart_epp.epp.cli import main; main()", "sim",
-               "--pods", str(n), "--base-port", str(base), "--kv-events-port", str(base + n),
-               "--time-scale", "0.01"]  # fmt: skip
+        cmd = epp_argv("sim", "--pods", str(n), "--base-port", str(base),
+                       "--kv-events-port", str(base + n), "--time-scale", "0.01")  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)  # noqa: ASYNC220
         try:
             for i in range(n):
@@ -252,9 +252,8 @@ async def main() -> None:
     baseline = await measure_server([sys.executable, "-c", BASELINE_SERVER, str(port)], port, args)
     print(f"baseline aiohttp: {baseline['req_per_s']:.0f} req/s", flush=True)
     port, kv = free_port(), free_port()
-    sim_cmd = [sys.executable, "-c", "from smart_epp.epp.cli import main; main()", "sim",
-               "--port", str(port), "--kv-events-port", str(kv), "--replay-port",
-               str(free_port()), "--time-scale", "0.01"]  # fmt: skip
+    sim_cmd = epp_argv("sim", "--port", str(port), "--kv-events-port", str(kv),
+                       "--replay-port", str(free_port()), "--time-scale", "0.01")  # fmt: skip
     sim = await measure_server(sim_cmd, port, args)
     print(f"sim (time scale 0.01): {sim['req_per_s']:.0f} req/s", flush=True)
     engine = engine_virtual_time(args)
@@ -289,7 +288,7 @@ async def main() -> None:
         "machine": {
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
-            "pinned_to_one_core": bool(shutil.which("taskset")) and (os.cpu_count() or 1) > 1,
+            "pinned_to_one_core": can_pin(),
         },
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -265,7 +265,7 @@ def running_stack(pods: int, console: Console) -> Iterator[Stack]:
 
 def live_stage(stack: Stack, args: argparse.Namespace, console: Console) -> bool:
     from smart_epp.benchmarks.replay.arrivals import poisson_arrivals
-    from smart_epp.benchmarks.replay.cli import _progress
+    from smart_epp.benchmarks.replay.cli import progress_bar
     from smart_epp.benchmarks.replay.live import LiveOptions, run_live, served_requests
     from smart_epp.benchmarks.replay.report import render_table, summarize
     from smart_epp.benchmarks.replay.traces import SharedPrefixSpec, generate_shared_prefix
@@ -285,7 +285,7 @@ def live_stage(stack: Stack, args: argparse.Namespace, console: Console) -> bool
         f"1,500-token system prompts) at {args.qps:g} req/s through Envoy -> epp -> pods"
     )
     before = asyncio.run(served_requests(stack.pod_addresses))
-    with _progress(console) as progress:
+    with progress_bar(console) as progress:
         task = progress.add_task("live via Envoy", total=len(requests))
         results = asyncio.run(
             run_live(
@@ -313,7 +313,12 @@ def live_stage(stack: Stack, args: argparse.Namespace, console: Console) -> bool
 
 def sim_stage(args: argparse.Namespace, console: Console) -> None:
     from smart_epp.benchmarks.replay.arrivals import scaled_arrivals
-    from smart_epp.benchmarks.replay.cli import Workload, _progress, simulate_policy
+    from smart_epp.benchmarks.replay.cli import (
+        Workload,
+        max_request_len,
+        progress_bar,
+        simulate_policy,
+    )
     from smart_epp.benchmarks.replay.report import render_table, results_json, summarize
     from smart_epp.benchmarks.replay.report import write_json as write_results
     from smart_epp.benchmarks.replay.sim import SimConfig, pod_address
@@ -322,14 +327,13 @@ def sim_stage(args: argparse.Namespace, console: Console) -> None:
     requests = load_mooncake(args.trace, limit=args.sim_requests)
     workload = Workload(requests, scaled_arrivals(requests, args.sim_speedup))
     pods = 8
-    longest = max(r.input_tokens + r.output_tokens for r in requests)
-    config = SimConfig(pods=pods, max_model_len=max(32_768, longest))
+    config = SimConfig(pods=pods, max_model_len=max(32_768, max_request_len(requests)))
     console.print(
         f"\n[bold]simulated comparison[/bold]: {len(requests)} Mooncake requests at "
         f"{args.sim_speedup:g}x speed on {pods} simulated H100 pods, same scheduler code"
     )
     per_policy = {}
-    with _progress(console) as progress:
+    with progress_bar(console) as progress:
         for name in SIM_POLICIES:
             per_policy[name] = simulate_policy(name, workload, config, args.seed, progress)
     addresses = [pod_address(i) for i in range(pods)]

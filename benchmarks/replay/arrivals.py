@@ -43,7 +43,7 @@ def scaled_arrivals(requests: Sequence[TraceRequest], speedup: float = 1.0) -> l
             if j < len(order):
                 bucket = requests[order[j]].timestamp_s - t
             else:
-                bucket = _typical_gap(requests, order) * group
+                bucket = _typical_gap(requests) * group
             for k in range(group):
                 times[order[i + k]] = (t + bucket * k / group) / speedup
         else:
@@ -52,9 +52,9 @@ def scaled_arrivals(requests: Sequence[TraceRequest], speedup: float = 1.0) -> l
     return times
 
 
-def _typical_gap(requests: Sequence[TraceRequest], order: list[int]) -> float:
+def _typical_gap(requests: Sequence[TraceRequest]) -> float:
     """The median gap between distinct timestamps (bucket width of the last bucket)."""
-    distinct = sorted({requests[i].timestamp_s for i in order})
+    distinct = sorted({r.timestamp_s for r in requests})
     gaps = sorted(b - a for a, b in pairwise(distinct))
     if not gaps:
         return 0.0
@@ -84,7 +84,7 @@ def parse_ladder(text: str) -> list[float]:
     return rates
 
 
-def ladder_arrivals(rates: Sequence[float], stage_duration_s: float, seed: int = 0) -> list[Stage]:
+def ladder_arrivals(rates: Sequence[float], stage_duration_s: float) -> list[Stage]:
     """Back-to-back Poisson stages, one per rate, each `stage_duration_s` long (the same
     pool stays warm across stages, as in inference-perf's load ladders)."""
     if stage_duration_s <= 0:

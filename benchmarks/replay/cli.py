@@ -29,6 +29,7 @@ from smart_epp.benchmarks.replay.policies.registry import (
     UnknownPolicy,
     build_policy,
     known_policy,
+    policy_label,
 )
 from smart_epp.benchmarks.replay.report import (
     PolicySummary,
@@ -122,7 +123,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
     if not requests:
         raise TraceError(f"{args.trace}: no requests")
     if args.ladder:
-        stages = ladder_arrivals(parse_ladder(args.ladder), args.stage_duration, args.seed)
+        stages = ladder_arrivals(parse_ladder(args.ladder), args.stage_duration)
         total = stages[-1].requests.stop
         # A ladder needs as many requests as its stages send: reuse the workload in order.
         cycled = [dataclasses.replace(requests[i % len(requests)], index=i) for i in range(total)]
@@ -134,7 +135,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
     return Workload(requests, scaled_arrivals(requests, args.speedup))
 
 
-def _progress(console: Console) -> Progress:
+def progress_bar(console: Console) -> Progress:
     return Progress(
         TextColumn("{task.description:<22}"),
         BarColumn(),
@@ -143,11 +144,6 @@ def _progress(console: Console) -> Progress:
         console=console,
         transient=False,
     )
-
-
-def policy_label(name: str) -> str:
-    """How a policy is shown: its name, or a config file's stem."""
-    return Path(name).stem if name.endswith((".yaml", ".yml")) else name
 
 
 def simulate_policy(
@@ -173,7 +169,7 @@ def simulate_policy(
     return asyncio.run(sim.run(workload.requests, workload.arrivals, workload.stage_of()))
 
 
-def _max_len(requests: Sequence[TraceRequest]) -> int:
+def max_request_len(requests: Sequence[TraceRequest]) -> int:
     return max(r.input_tokens + r.output_tokens for r in requests)
 
 
@@ -187,20 +183,20 @@ def run_sim(args: argparse.Namespace, workload: Workload, console: Console) -> i
             console.print(f"[red]error:[/red] unknown policy {name!r}")
             return 2
     model = workload.requests[0].model
-    profile = PROFILES[args.profile]
+    # Long-context traces (Mooncake's go to ~190k tokens) need the pods to accept them.
+    longest = max(PROFILES[args.profile].max_model_len, max_request_len(workload.requests))
     config = SimConfig(
         pods=args.pods,
         profile=args.profile,
         block_size=args.block_size,
         kv_event_delay_s=args.kv_event_delay,
         scrape_interval_s=args.scrape_interval,
-        # Long-context traces (Mooncake's go to ~190k tokens) need the pods to accept them.
-        max_model_len=args.max_model_len or max(profile.max_model_len, _max_len(workload.requests)),
+        max_model_len=args.max_model_len or longest,
         model=model,
     )
     per_policy: dict[str, list[RequestResult]] = {}
     wall_s: dict[str, float] = {}
-    with _progress(console) as progress:
+    with progress_bar(console) as progress:
         for name in names:
             started = time.perf_counter()
             try:
@@ -226,7 +222,7 @@ def run_live_mode(args: argparse.Namespace, workload: Workload, console: Console
         return 2
     label = (args.policy or ["live"])[0]
     opts = LiveOptions(target=args.target, concurrency=args.concurrency, model=args.model)
-    with _progress(console) as progress:
+    with progress_bar(console) as progress:
         task = progress.add_task(label, total=len(workload.requests))
         results = asyncio.run(
             run_live(

@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 
@@ -168,11 +167,6 @@ def render_ladder_table(ladder: Mapping[str, Mapping[float, PolicySummary]]) -> 
     return table
 
 
-def print_tables(console: Console, *tables: Table) -> None:
-    for t in tables:
-        console.print(t)
-
-
 def results_json(
     trace: str,
     pods: int,
@@ -208,13 +202,30 @@ def write_json(doc: Mapping[str, Any], path: Path) -> None:
     path.write_text(json.dumps(doc, indent=2) + "\n")
 
 
-def plot_ttft_cdf(results: Mapping[str, Sequence[RequestResult]], path: Path, title: str) -> None:
+def _new_axes() -> tuple[Any, Any]:
+    # Imported here: matplotlib is slow to import and only the plotting commands need it.
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    return plt.subplots(figsize=(7, 4.5))
+
+
+def _save(fig: Any, ax: Any, title: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_ttft_cdf(results: Mapping[str, Sequence[RequestResult]], path: Path, title: str) -> None:
+    fig, ax = _new_axes()
     for name, rs in results.items():
         ttfts = sorted(r.ttft_s for r in rs if r.ok and r.ttft_s is not None)
         if not ttfts:
@@ -224,34 +235,17 @@ def plot_ttft_cdf(results: Mapping[str, Sequence[RequestResult]], path: Path, ti
     ax.set_xscale("log")
     ax.set_xlabel("time to first token (s, log scale)")
     ax.set_ylabel("fraction of requests")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, ax, title, path)
 
 
 def plot_ladder(
     ladder: Mapping[str, Mapping[float, PolicySummary]], path: Path, title: str
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _new_axes()
     for name, stages in ladder.items():
         qs = sorted(q for q, s in stages.items() if s.ttft_p90_s is not None)
         ax.plot(qs, [stages[q].ttft_p90_s for q in qs], marker="o", label=name)
     ax.set_xlabel("offered load (requests/s)")
     ax.set_ylabel("TTFT p90 (s)")
     ax.set_yscale("log")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, ax, title, path)

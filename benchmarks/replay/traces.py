@@ -16,14 +16,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import xxhash
 import yaml
 
 TraceFormat = Literal["mooncake", "sharegpt", "shared-prefix", "recorded"]
-TRACE_FORMATS: tuple[str, ...] = ("mooncake", "sharegpt", "shared-prefix", "recorded")
+TRACE_FORMATS: tuple[str, ...] = get_args(TraceFormat)
 
 DEFAULT_MODEL = "model"
 MOONCAKE_BLOCK_TOKENS = 512

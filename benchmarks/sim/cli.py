@@ -96,7 +96,7 @@ def pool_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(pods: int, kwargs: dict[str, Any]) -> None:
     from smart_epp.benchmarks.sim.pool import run_pool
 
     stop = asyncio.Event()
@@ -104,7 +104,7 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    async with run_pool(args.pods, **pool_kwargs(args)) as pool:
+    async with run_pool(pods, **kwargs) as pool:
         for h in pool.pods:
             print(
                 f"pod {h.index}: http://{h.http_address} kv-events {h.kv_events_endpoint} "
@@ -116,7 +116,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        pool_kwargs(args)
+        kwargs = pool_kwargs(args)
         if args.time_scale <= 0:
             raise ValueError("--time-scale must be positive")
         if args.pods < 1:
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         runner = asyncio.run
     try:
-        runner(serve(args))
+        runner(serve(args.pods, kwargs))
     except (ValueError, OSError) as exc:  # bad engine settings, port in use
         print(f"epp sim: {exc}", file=sys.stderr)
         return 1

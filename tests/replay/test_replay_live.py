@@ -13,12 +13,29 @@ from support.net import free_port
 from smart_epp.benchmarks.replay.arrivals import poisson_arrivals
 from smart_epp.benchmarks.replay.live import LiveOptions, run_live
 from smart_epp.benchmarks.replay.report import summarize
-from smart_epp.benchmarks.replay.traces import SharedPrefixSpec, generate_shared_prefix
+from smart_epp.benchmarks.replay.traces import (
+    SharedPrefixSpec,
+    TraceRequest,
+    generate_shared_prefix,
+)
 from smart_epp.benchmarks.sim.pool import run_pool
 from smart_epp.epp.serve_cmd import ServeOptions, serve
 from smart_epp.epp.server import EppServer
 
 MODEL = "sim-model"
+
+
+def shared_prefix_requests(
+    *, groups: int, per_group: int, system_len: int, output_len: int, seed: int
+) -> list[TraceRequest]:
+    spec = SharedPrefixSpec(
+        num_groups=groups,
+        num_prompts_per_group=per_group,
+        system_prompt_len=system_len,
+        question_len=8,
+        output_len=output_len,
+    )
+    return generate_shared_prefix(spec, seed=seed, model=MODEL)
 
 
 @contextlib.asynccontextmanager
@@ -44,28 +61,8 @@ async def epp_in_process(endpoints: list[str]) -> AsyncIterator[EppServer]:
 async def test_live_replay_through_envoy_completes_every_request() -> None:
     # Two request shapes on purpose: long unique prompts must take longer to first token
     # than short ones, measured by the client over real streaming HTTP.
-    short = generate_shared_prefix(
-        SharedPrefixSpec(
-            num_groups=2,
-            num_prompts_per_group=6,
-            system_prompt_len=40,
-            question_len=8,
-            output_len=12,
-        ),
-        seed=1,
-        model=MODEL,
-    )
-    long = generate_shared_prefix(
-        SharedPrefixSpec(
-            num_groups=6,
-            num_prompts_per_group=1,
-            system_prompt_len=4000,
-            question_len=8,
-            output_len=12,
-        ),
-        seed=2,
-        model=MODEL,
-    )
+    short = shared_prefix_requests(groups=2, per_group=6, system_len=40, output_len=12, seed=1)
+    long = shared_prefix_requests(groups=6, per_group=1, system_len=4000, output_len=12, seed=2)
     requests = [*short, *long]
     for i, r in enumerate(requests):
         r.index = i
@@ -101,17 +98,7 @@ async def test_live_replay_through_envoy_completes_every_request() -> None:
 
 
 async def test_live_failures_are_counted_with_their_status() -> None:
-    requests = generate_shared_prefix(
-        SharedPrefixSpec(
-            num_groups=1,
-            num_prompts_per_group=3,
-            system_prompt_len=600,
-            question_len=8,
-            output_len=4,
-        ),
-        seed=0,
-        model=MODEL,
-    )
+    requests = shared_prefix_requests(groups=1, per_group=3, system_len=600, output_len=4, seed=0)
     arrivals = [0.0, 0.0, 0.0]
     async with run_pool(1, block_size=16, model=MODEL, time_scale=0.01, max_model_len=256) as p:
         rejected = await run_live(requests, arrivals, LiveOptions(target=p.pods[0].url))

@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from smart_epp.benchmarks.replay.policies.base import StatelessHooks
 from smart_epp.benchmarks.sim.engine import SimEngine
 from smart_epp.epp.types import Decision, LLMRequest, PodState, Usage
 
 
-class Oracle:
+class Oracle(StatelessHooks):
     name = "oracle"
 
     def __init__(self, engines: Mapping[str, SimEngine]) -> None:
@@ -24,15 +25,10 @@ class Oracle:
         self._digests: dict[str, list[bytes]] = {}
 
     def _request_digests(self, engine: SimEngine, token_ids: Sequence[int]) -> list[bytes]:
-        bs = engine.block_size
-        hasher = engine.hasher
-        out: list[bytes] = []
-        parent: bytes | None = None
         # At least one token is always computed, as in vLLM: the last full block before it.
-        for i in range((len(token_ids) - 1) // bs):
-            parent = hasher.block_digest(parent, token_ids[i * bs : (i + 1) * bs], None)
-            out.append(parent)
-        return out
+        digests: list[bytes] = []
+        engine.hasher.extend(digests, token_ids, (len(token_ids) - 1) // engine.block_size)
+        return digests
 
     def _queued_prefill(self, engine: SimEngine) -> int:
         bs = engine.block_size
@@ -75,9 +71,6 @@ class Oracle:
         scored.sort(key=lambda s: s[:3])
         explain = {s[3].address: {"predicted_ttft_s": s[0], "cached_tokens": -s[1]} for s in scored}
         return Decision(endpoints=[s[3] for s in scored], profile=self.name, explain=explain)
-
-    def on_routed(self, request: LLMRequest, decision: Decision) -> None:
-        return None
 
     def on_response(
         self,

@@ -42,6 +42,11 @@ class UnknownPolicy(ValueError):
     pass
 
 
+def policy_label(name: str) -> str:
+    """How a policy is shown: its name, or a config file's stem."""
+    return Path(name).stem if name.endswith((".yaml", ".yml")) else name
+
+
 def known_policy(name: str) -> bool:
     return name in ALL_POLICIES or Path(name).is_file()
 

@@ -4,17 +4,12 @@ tracking), on the simulation's virtual clock."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING
-
+from smart_epp.benchmarks.replay.policies.registry import PolicyContext, policy_label
 from smart_epp.benchmarks.replay.sim import RoutedPolicy
 from smart_epp.epp.scheduler import build_scheduler
 from smart_epp.kv_index.ingest import IngestState
 from smart_epp.kv_index.memory import MemoryBlockIndex
 from smart_epp.kv_index.subscriber import PodEventStream
-
-if TYPE_CHECKING:
-    from smart_epp.benchmarks.replay.policies.registry import PolicyContext
 
 
 def build_config_policy(name: str, ctx: PolicyContext) -> RoutedPolicy:
@@ -38,5 +33,4 @@ def build_config_policy(name: str, ctx: PolicyContext) -> RoutedPolicy:
     async def deliver(pod: str, seq: int, payload: bytes) -> None:
         await streams[pod].handle(seq, payload)
 
-    label = Path(name).stem if name.endswith((".yaml", ".yml")) else name
-    return RoutedPolicy(label, scheduler, kv_events=deliver)
+    return RoutedPolicy(policy_label(name), scheduler, kv_events=deliver)
