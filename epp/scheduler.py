@@ -97,7 +97,6 @@ MAX_TRACKED_REQUESTS = 100_000  # decisions awaiting on_response; oldest dropped
 
 BlockSizeOf = Callable[[str], int | None]  # pod address -> block size (e.g. IngestState)
 ModelOf = Callable[[str], str | None]  # pod address -> base model its KV events are keyed by
-KeysFn = Callable[[Sequence[int], int, KeyScope], list[int]]
 
 
 # --------------------------------------------------------------------------- prefix matching
@@ -132,13 +131,11 @@ class IndexPrefixMatcher:
         self,
         index: BlockIndex,
         *,
-        keys_fn: KeysFn = block_keys,
         model_of: ModelOf | None = None,
         base_model: str | None = None,
     ) -> None:
         self.index = index
         self._pending: set[asyncio.Task[None]] = set()
-        self._keys_fn = keys_fn
         self._model_of = model_of
         self._base_model = base_model
 
@@ -154,7 +151,7 @@ class IndexPrefixMatcher:
         out = []
         for (size, model), addresses in groups.items():
             scope = KeyScope(model, request.adapter, request.cache_salt)
-            out.append((self._keys_fn(token_ids, size, scope), addresses))
+            out.append((block_keys(token_ids, size, scope), addresses))
         return out
 
     async def match(

@@ -187,6 +187,15 @@ def pod_lister(datastore: Any) -> PodLister:
     raise TypeError("the datastore must expose pods() or be a callable returning PodStates")
 
 
+def polling_session(timeout_s: float) -> aiohttp.ClientSession:
+    """One keep-alive HTTP session for polling every pod of a pool: no cap on connections
+    (each pod keeps its own), and `timeout_s` bounding each whole request."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+    )
+
+
 class MetricsScraper:
     """Keeps every pod's `PodState.metrics` and `ready` current from its /metrics page."""
 
@@ -223,12 +232,7 @@ class MetricsScraper:
     async def start(self) -> None:
         if self._supervisor is not None:
             return
-        factory = self._session_factory or (
-            lambda: aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            )
-        )
+        factory = self._session_factory or (lambda: polling_session(self.timeout_s))
         self._session = factory()
         self._sync_pods()
         self._supervisor = asyncio.create_task(self._supervise(), name="metrics-scraper")

@@ -354,13 +354,15 @@ class PodTokenizer:
         if request.prompt_token_ids is not None:
             return request.prompt_token_ids
         key = request_cache_key(request)
-        body = self.tokenize_body(request)
-        if key is None or body is None:
+        if key is None:
             return None
         cached = self._cache.get(key)
         if cached is not None:
             TOKENIZE_TOTAL.labels("pod", "cache_hit").inc()
             return cached.tolist()
+        body = self.tokenize_body(request)
+        if body is None:  # unreachable: a cache key implies a prompt or messages
+            return None
         now = self._clock()
         skip_until = self._skip_until
         usable = [p for p in pods if p.ready] or list(pods)

@@ -9,7 +9,7 @@ label pass only when `allowsNoLabel`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,6 +17,21 @@ from pydantic import BaseModel, ConfigDict, Field
 from smart_epp.epp.config import register_plugin
 from smart_epp.epp.types import PodState
 from smart_epp.scorers.base import Filter, PluginParams, SchedulingContext
+
+
+def keep_labelled(
+    pods: Sequence[PodState], label: str, values: Collection[str], allow_unlabelled: bool
+) -> list[PodState]:
+    """The pods whose `label` is one of `values`; pods without it only if allowed."""
+    out = []
+    for pod in pods:
+        value = pod.endpoint.label(label)
+        if value is None:
+            if allow_unlabelled:
+                out.append(pod)
+        elif value in values:
+            out.append(pod)
+    return out
 
 
 class LabelExpression(BaseModel):
@@ -70,12 +85,5 @@ class ByLabelFilter(Filter):
     params: ByLabelParams
 
     def filter(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[PodState]:
-        out = []
-        for p in pods:
-            value = p.endpoint.label(self.params.label)
-            if value is None:
-                if self.params.allowsNoLabel:
-                    out.append(p)
-            elif value in self.params.validValues:
-                out.append(p)
-        return out
+        p = self.params
+        return keep_labelled(pods, p.label, p.validValues, p.allowsNoLabel)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from smart_epp.epp.config import register_plugin
+from smart_epp.epp.tokenization import DEFAULT_CACHE_BYTES
 from smart_epp.scorers.base import Plugin, PluginParams
 
 
@@ -20,7 +21,7 @@ class LocalTokenizerParams(PluginParams):
     path: str | None = None
     tokenizerFile: str | None = None
     chatTemplateFile: str | None = None
-    cacheBytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    cacheBytes: int = Field(default=DEFAULT_CACHE_BYTES, gt=0)
 
 
 @register_plugin()
@@ -32,7 +33,7 @@ class LocalTokenizerPlugin(Plugin):
 
 
 class PodTokenizerParams(PluginParams):
-    cacheBytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    cacheBytes: int = Field(default=DEFAULT_CACHE_BYTES, gt=0)
     timeoutSeconds: float = Field(default=2.0, gt=0)
 
 

@@ -33,8 +33,13 @@ class LoraAffinityFilter(Filter):
         adapter = ctx.request.adapter
         if adapter is None:
             return list(pods)
-        with_adapter = [p for p in pods if adapter_active(p, adapter)]
-        with_room = [p for p in pods if not adapter_active(p, adapter) and adapter_slot_free(p)]
+        with_adapter: list[PodState] = []
+        with_room: list[PodState] = []
+        for p in pods:
+            if adapter_active(p, adapter):
+                with_adapter.append(p)
+            elif adapter_slot_free(p):
+                with_room.append(p)
         if with_adapter and ctx.rng.random() < self.params.threshold:
             return with_adapter
         if with_room:

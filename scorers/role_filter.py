@@ -15,6 +15,7 @@ from pydantic import Field
 from smart_epp.epp.config import register_plugin
 from smart_epp.epp.types import PodState
 from smart_epp.scorers.base import Filter, PluginParams, SchedulingContext
+from smart_epp.scorers.label_selector_filter import keep_labelled
 
 ROLE_LABEL = "llm-d.ai/role"
 BOTH = "both"
@@ -29,15 +30,7 @@ class RoleParams(PluginParams):
 def keep_role(
     pods: Sequence[PodState], role: str, label: str, unlabeled_is_both: bool
 ) -> list[PodState]:
-    out = []
-    for p in pods:
-        value = p.endpoint.label(label)
-        if value is None:
-            if unlabeled_is_both:
-                out.append(p)
-        elif value in (role, BOTH):
-            out.append(p)
-    return out
+    return keep_labelled(pods, label, (role, BOTH), unlabeled_is_both)
 
 
 @register_plugin()
@@ -63,4 +56,4 @@ class PrefillFilter(Filter):
     type_name = "prefill-filter"
 
     def filter(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[PodState]:
-        return [p for p in pods if p.endpoint.label(ROLE_LABEL) == "prefill"]
+        return keep_labelled(pods, ROLE_LABEL, ("prefill",), allow_unlabelled=False)

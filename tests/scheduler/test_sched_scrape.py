@@ -8,7 +8,8 @@ import json
 import pytest
 from aiohttp import web
 from prometheus_client import REGISTRY
-from support.net import async_wait_until, free_port
+from sched_helpers import LocalHTTPServer
+from support.net import async_wait_until
 from support.paths import VLLM_FIXTURES
 
 from smart_epp.epp.datastore import Datastore
@@ -84,15 +85,14 @@ def test_malformed_lines_are_counted_and_dropped():
         parse_vllm_metrics("<html>502 Bad Gateway</html>")
 
 
-class MetricsPod:
+class MetricsPod(LocalHTTPServer):
     """A real HTTP server exposing a recorded vLLM /metrics page, which can break."""
 
     def __init__(self, page: str) -> None:
+        super().__init__()
         self.page = page
         self.mode = "ok"  # ok | error | hang | garbage
-        self.port = free_port()
         self.hits = 0
-        self._runner: web.AppRunner | None = None
 
     async def _metrics(self, _: web.Request) -> web.StreamResponse:
         self.hits += 1
@@ -104,20 +104,8 @@ class MetricsPod:
             return web.Response(text="<html>oops</html>")
         return web.Response(text=self.page, content_type="text/plain")
 
-    async def start(self) -> None:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
 
 
 @pytest.fixture

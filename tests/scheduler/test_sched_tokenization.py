@@ -7,8 +7,7 @@ import json
 import pytest
 from aiohttp import web
 from prometheus_client import REGISTRY
-from sched_helpers import pod, request
-from support.net import free_port
+from sched_helpers import LocalHTTPServer, pod, request
 from support.paths import TINY_MODEL, VLLM_FIXTURES
 
 from smart_epp.epp.tokenization import LocalTokenizer, PodTokenizer, TokenizerRouter
@@ -83,15 +82,14 @@ def test_chat_without_template_is_reported_not_raised(tmp_path):
         bare.tokenize_sync(request(messages=[{"role": "user", "content": "hi"}]))
 
 
-class TokenizePod:
+class TokenizePod(LocalHTTPServer):
     """A real HTTP server answering POST /tokenize with vLLM's recorded answers."""
 
     def __init__(self, answers: dict[str, dict], status: int = 200) -> None:
+        super().__init__()
         self.answers = answers
         self.status = status
-        self.port = free_port()
         self.bodies: list[dict] = []
-        self._runner: web.AppRunner | None = None
 
     async def _tokenize(self, req: web.Request) -> web.Response:
         body = await req.json()
@@ -103,16 +101,8 @@ class TokenizePod:
             return web.json_response({"error": "unexpected body"}, status=400)
         return web.json_response(answer)
 
-    async def start(self) -> None:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
         app.router.add_post("/tokenize", self._tokenize)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
 
 
 @pytest.fixture
@@ -132,7 +122,7 @@ async def tokenize_pods():
 
 async def test_pod_tokenizer_asks_like_vllm_expects_and_falls_over(tokenize_pods):
     broken, good = tokenize_pods
-    pods = [pod(f"127.0.0.1:{broken.port}"), pod(f"127.0.0.1:{good.port}")]
+    pods = [pod(broken.address), pod(good.address)]
     tokenizer = PodTokenizer(timeout_s=2.0)
     try:
         rows = [r for r in recorded_requests() if r["name"] in ("chat_lora_b", "base", "chat_1")]
@@ -160,7 +150,7 @@ async def test_a_failing_pod_is_backed_off_not_asked_on_every_request(tokenize_p
     broken, _ = tokenize_pods
     now = [100.0]
     tokenizer = PodTokenizer(timeout_s=2.0, clock=lambda: now[0])
-    only_broken = [pod(f"127.0.0.1:{broken.port}")]
+    only_broken = [pod(broken.address)]
     try:
         for i in range(5):
             assert await tokenizer.tokenize(request(prompt=f"p{i}"), only_broken) is None
@@ -177,7 +167,7 @@ async def test_a_failing_pod_is_backed_off_not_asked_on_every_request(tokenize_p
 
 async def test_router_uses_local_tokenizer_for_configured_models(local, tokenize_pods):
     _, good = tokenize_pods
-    pods = [pod(f"127.0.0.1:{good.port}")]
+    pods = [pod(good.address)]
     fallback = PodTokenizer()
     router = TokenizerRouter({"tiny": local}, fallback)
     try:
