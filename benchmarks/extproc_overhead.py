@@ -39,6 +39,8 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
+from smart_epp.epp.ports import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "extproc_overhead.json"
 BACKEND_SCRIPT = REPO / "tests" / "support" / "backends.py"
@@ -46,12 +48,6 @@ GOALS = {"added_median_ms": 1.0, "added_p99_ms": 3.0, "decisions_per_s": 1500}
 
 PROMPT = "Explain the trade-offs of prefix caching in LLM serving. " * 8
 BODY = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 16}).encode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:

@@ -34,9 +34,7 @@ class Datastore:
         socket) keeps its state, and listeners see it removed then added again so they
         can reconnect.
         """
-        wanted: dict[str, Endpoint] = {}
-        for endpoint in endpoints:
-            wanted[endpoint.address] = endpoint
+        wanted = {endpoint.address: endpoint for endpoint in endpoints}
         removed = [p.endpoint for a, p in self._pods.items() if a not in wanted]
         added: list[Endpoint] = []
         changed: list[tuple[Endpoint, Endpoint]] = []

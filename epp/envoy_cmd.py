@@ -16,9 +16,9 @@ from typing import Literal
 import jinja2
 
 from smart_epp.epp.discovery import parse_address
+from smart_epp.epp.server import DEFAULT_MAX_BODY_BYTES
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml.j2"
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 BodyModeName = Literal["buffered", "full-duplex"]
 FailureModeName = Literal["open", "close"]
@@ -31,6 +31,7 @@ class EnvoyOptions:
     epp_host: str = "127.0.0.1"
     body_mode: BodyModeName = "full-duplex"
     failure_mode: FailureModeName = "close"
+    # The picker's own limit by default: Envoy buffers no more than the picker accepts.
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     admin_port: int = 19000
     listen_address: str = "0.0.0.0"

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ import aiohttp
 from prometheus_client import Counter
 
 from smart_epp.epp.errors import RequestError
+from smart_epp.epp.scrape import polling_session
 from smart_epp.epp.types import Endpoint, PodState
 
 log = logging.getLogger(__name__)
@@ -164,12 +166,13 @@ class ModelCatalog:
             raise UnknownModelError(model)
         return None
 
-    def servers(self, model: str) -> set[str] | None:
+    def servers(self, model: str) -> AbstractSet[str] | None:
         """Addresses of the pods serving `model` (base or adapter); None when nothing is
         known about it, so the caller should not narrow."""
-        found = set(self._base_servers.get(model, ()))
-        if not found:
-            found = self._adapter_servers.get(model, frozenset()) | self._scraped_servers(model)
+        found = self._base_servers.get(model)  # never empty when present
+        if found:
+            return found
+        found = self._adapter_servers.get(model, frozenset()) | self._scraped_servers(model)
         if found or self._served:
             return found
         return None
@@ -215,12 +218,7 @@ class ModelCatalogPoller:
         already know the pool's models."""
         if self._session is not None:
             return
-        factory = self._session_factory or (
-            lambda: aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            )
-        )
+        factory = self._session_factory or (lambda: polling_session(self.timeout_s))
         self._session = factory()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.refresh_all(), first_refresh_timeout_s)

@@ -45,11 +45,12 @@ def parse_request(
 ) -> LLMRequest:
     """Parses one request; raises RequestError (400) for bodies an OpenAI server rejects."""
     api = api_of(path)
-    session_id = headers.get("x-session-id")
+    header_map = headers if isinstance(headers, dict) else dict(headers)
+    session_id = header_map.get("x-session-id")
     if not body:
         if api is not Api.OTHER:
             raise RequestError.bad_request("request body is empty; expected a JSON object")
-        return LLMRequest(request_id, path, api, "", headers=dict(headers), session_id=session_id)
+        return LLMRequest(request_id, path, api, "", headers=header_map, session_id=session_id)
     try:
         document = _json_decoder.decode(body)
     except msgspec.DecodeError as exc:
@@ -81,7 +82,7 @@ def parse_request(
         cache_salt=_optional_str(document, "cache_salt"),
         max_tokens=_max_tokens(document),
         session_id=session_id,
-        headers=headers if isinstance(headers, dict) else dict(headers),
+        headers=header_map,
         body=body,
     )
     if api is Api.COMPLETIONS:

@@ -28,7 +28,7 @@ from smart_epp.epp.errors import RequestError
 from smart_epp.epp.gateway_metrics import GatewayMetrics
 from smart_epp.epp.request_parser import AdapterResolver, no_adapters, parse_request
 from smart_epp.epp.scheduler_api import Scheduler
-from smart_epp.epp.types import Decision, LLMRequest, PodState
+from smart_epp.epp.types import LLMRequest
 from smart_epp.epp.usage import UsageReader
 from smart_epp.proto import extproc as px
 from smart_epp.proto.extproc import BodyMode
@@ -217,7 +217,7 @@ class Exchange:
             raise RequestError.no_endpoint()
 
         chosen = decision.endpoints[: gw.options.destination_count]
-        destination = chosen[0].address if len(chosen) == 1 else ",".join(_addresses(chosen))
+        destination = chosen[0].address if len(chosen) == 1 else ",".join(p.address for p in chosen)
         self.primary = self.served = chosen[0].address
         gw.datastore.begin(self.primary, request)
         self._after = lambda: gw.scheduler.on_routed(request, decision)
@@ -233,8 +233,9 @@ class Exchange:
         self.done = True
         self.status = error.status
         request = self.request
-        model = request.model if request is not None else ""
-        target = (request.adapter or request.model) if request is not None else ""
+        model, target = (
+            ("", "") if request is None else (request.model, request.adapter or request.model)
+        )
         self.gw.metrics.errors.labels(model, target, str(error.status)).inc()
         if request is not None and self.primary is not None:
             self._finish(ok=False)
@@ -265,10 +266,10 @@ class Exchange:
         served = px.served_endpoint(message)
         if request is not None and served and served != self.served:
             # A fallback (or a retry) answered: move the in-flight count to it.
+            # (`begin` ignores an address outside the pool.)
             datastore = self.gw.datastore
             datastore.end(self.served or "", request)
-            if datastore.get(served) is not None:
-                datastore.begin(served, request)
+            datastore.begin(served, request)
             self.served = served
 
     def _on_response_headers(self, message: px.ProcessingRequest) -> list[px.Reply]:
@@ -347,10 +348,6 @@ class Exchange:
             log.exception("request %s: response bookkeeping failed", self.request_id or "?")
         if not self.finished:
             self._finish(ok=False)
-
-
-def _addresses(pods: list[PodState]) -> list[str]:
-    return [p.address for p in pods]
 
 
 class EppServer:
@@ -442,14 +439,4 @@ class EppServer:
             await self._grpc.wait_for_termination()
 
 
-def build_server(
-    scheduler: Scheduler,
-    datastore: Datastore,
-    *,
-    adapter_resolver: AdapterResolver = no_adapters,
-    options: ServerOptions | None = None,
-) -> EppServer:
-    return EppServer(scheduler, datastore, adapter_resolver=adapter_resolver, options=options)
-
-
-__all__ = ["Decision", "EppServer", "Exchange", "ServerOptions", "build_server"]
+__all__ = ["EppServer", "Exchange", "ServerOptions"]

@@ -112,13 +112,12 @@ class TrafficRecorder:
         prompt_tokens = usage.prompt_tokens if usage else request.estimated_prompt_tokens()
         output_tokens = usage.completion_tokens if usage else (request.max_tokens or 0)
         content: dict[str, Any] = {}
-        if self._include_content:
-            if tokens is not None:
-                content["prompt_token_ids"] = tokens
-            elif request.messages is not None:
-                content["messages"] = request.messages
-            elif request.prompt is not None:
-                content["prompt"] = request.prompt
+        if self._include_content:  # recorded_line keeps the first of these that is set
+            content = {
+                "prompt_token_ids": tokens,
+                "messages": request.messages,
+                "prompt": request.prompt,
+            }
         try:
             self._out.write(
                 recorded_line(

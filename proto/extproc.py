@@ -117,17 +117,43 @@ def _lb_metadata(destination: str) -> struct_pb2.Struct:
     return metadata
 
 
+def _headers_phase_reply(
+    destination: str, extra_headers: Sequence[tuple[str, str]] = ()
+) -> ProcessingResponse:
+    return ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(response=_routing_common(destination, extra_headers)),
+        dynamic_metadata=_lb_metadata(destination),
+    )
+
+
+def _body_phase_reply(
+    destination: str, extra_headers: Sequence[tuple[str, str]] = ()
+) -> ProcessingResponse:
+    return ep.ProcessingResponse(
+        request_body=ep.BodyResponse(response=_routing_common(destination, extra_headers)),
+        dynamic_metadata=_lb_metadata(destination),
+    )
+
+
 _ROUTING_CACHE_LIMIT = 4096
 _headers_phase_cache: dict[str, bytes] = {}
 _body_phase_cache: dict[str, bytes] = {}
 
 
-def _cached(cache: dict[str, bytes], destination: str, build: Callable[[], Reply]) -> bytes:
+def _route(
+    cache: dict[str, bytes],
+    build: Callable[..., ProcessingResponse],
+    destination: str,
+    extra_headers: Sequence[tuple[str, str]],
+) -> Reply:
+    # Replies that add headers (a generated request id) are unique to their request.
+    if extra_headers:
+        return build(destination, extra_headers)
     reply = cache.get(destination)
     if reply is None:
         if len(cache) >= _ROUTING_CACHE_LIMIT:
             cache.clear()  # pools churn rarely; a full reset keeps this bounded and simple
-        reply = cache[destination] = _serialize(build())
+        reply = cache[destination] = build(destination).SerializeToString()
     return reply
 
 
@@ -135,32 +161,12 @@ def route_in_headers_phase(
     destination: str, extra_headers: Sequence[tuple[str, str]] = ()
 ) -> Reply:
     """The decision as the reply to the request headers (full-duplex, or bodiless requests)."""
-
-    def build() -> ProcessingResponse:
-        return ep.ProcessingResponse(
-            request_headers=ep.HeadersResponse(
-                response=_routing_common(destination, extra_headers)
-            ),
-            dynamic_metadata=_lb_metadata(destination),
-        )
-
-    if extra_headers:
-        return build()
-    return _cached(_headers_phase_cache, destination, build)
+    return _route(_headers_phase_cache, _headers_phase_reply, destination, extra_headers)
 
 
 def route_in_body_phase(destination: str, extra_headers: Sequence[tuple[str, str]] = ()) -> Reply:
     """The decision as the reply to a buffered request body."""
-
-    def build() -> ProcessingResponse:
-        return ep.ProcessingResponse(
-            request_body=ep.BodyResponse(response=_routing_common(destination, extra_headers)),
-            dynamic_metadata=_lb_metadata(destination),
-        )
-
-    if extra_headers:
-        return build()
-    return _cached(_body_phase_cache, destination, build)
+    return _route(_body_phase_cache, _body_phase_reply, destination, extra_headers)
 
 
 def streamed_request_body(body: bytes, end_of_stream: bool = True) -> list[Reply]:

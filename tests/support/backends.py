@@ -28,10 +28,11 @@ SSE_CHUNKS = 5
 
 def usage_for(body_bytes: int) -> dict:
     """The usage a backend reports: derived from the request so tests can predict it."""
+    prompt_tokens = max(1, body_bytes // 4)
     return {
-        "prompt_tokens": max(1, body_bytes // 4),
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": SSE_CHUNKS,
-        "total_tokens": max(1, body_bytes // 4) + SSE_CHUNKS,
+        "total_tokens": prompt_tokens + SSE_CHUNKS,
         "prompt_tokens_details": {"cached_tokens": 16},
     }
 
