@@ -1,7 +1,9 @@
-"""Maps the repository's top-level folders into the `smart_epp` namespace.
+"""Installs the repository root as the `smart_epp` package.
 
 The folder names (epp/, proto/, ...) are generic; installed under `smart_epp.` they
-cannot shadow, or be shadowed by, another distribution's top-level package.
+cannot shadow, or be shadowed by, another distribution's top-level package. Inside the
+package, modules import each other relatively, so tools that read the tree as it stands
+see the same structure as the interpreter.
 """
 
 from pathlib import Path
@@ -9,17 +11,16 @@ from pathlib import Path
 from setuptools import setup
 
 ROOT = Path(__file__).parent
-FOLDERS = ("epp", "proto", "scorers", "kv_index", "benchmarks")
+FOLDERS = ("framework", "epp", "proto", "scorers", "kv_index", "benchmarks")
 
-packages: list[str] = []
-package_dir: dict[str, str] = {}
+packages = ["smart_epp"]
+package_dir = {"smart_epp": "."}
 package_data: dict[str, list[str]] = {}
 for folder in FOLDERS:
     for init in sorted((ROOT / folder).rglob("__init__.py")):
         rel = init.parent.relative_to(ROOT)
         name = "smart_epp." + ".".join(rel.parts)
         packages.append(name)
-        package_dir[name] = rel.as_posix()
         package_data[name] = ["*.yaml", "*.jinja", "*.json", "*.txt"]
 
 setup(packages=packages, package_dir=package_dir, package_data=package_data)

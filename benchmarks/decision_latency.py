@@ -30,7 +30,7 @@ from pathlib import Path
 from smart_epp.epp.round_robin import RoundRobinScheduler
 from smart_epp.epp.scheduler import build_scheduler
 from smart_epp.epp.tokenization import LocalTokenizer
-from smart_epp.epp.types import Api, Endpoint, LLMRequest, PodMetrics, PodState
+from smart_epp.framework.types import Api, Endpoint, LLMRequest, Outcome, PodMetrics, PodState
 from smart_epp.kv_index.keys import KeyScope, block_keys
 from smart_epp.kv_index.memory import MemoryBlockIndex
 
@@ -143,7 +143,8 @@ async def measure(
         decision = await scheduler.schedule(req, pods)  # type: ignore[attr-defined]
         elapsed = time.perf_counter() - start
         scheduler.on_routed(req, decision)  # type: ignore[attr-defined]
-        scheduler.on_response(req, decision.endpoints[0].address, None, None, True)  # type: ignore[attr-defined]
+        outcome = Outcome(decision.endpoints[0].address, ok=True, status=200)
+        scheduler.on_outcome(req, decision, outcome)  # type: ignore[attr-defined]
         if i >= n // 10:  # the first tenth warms caches and allocators
             samples.append(elapsed)
     return summarize(samples)

@@ -246,10 +246,11 @@ def breakdown(iterations: int) -> dict[str, float]:
     from google.protobuf import struct_pb2
 
     from smart_epp.epp.datastore import Datastore
+    from smart_epp.epp.flow import RequestFlow
     from smart_epp.epp.request_parser import parse_request
     from smart_epp.epp.round_robin import RoundRobinScheduler
-    from smart_epp.epp.server import EppServer, Exchange
-    from smart_epp.epp.types import Endpoint
+    from smart_epp.epp.server import EppServer, Exchange, Phase
+    from smart_epp.framework.types import Endpoint
     from smart_epp.proto import extproc as px
 
     headers = {
@@ -297,7 +298,7 @@ def breakdown(iterations: int) -> dict[str, float]:
     datastore = Datastore()
     datastore.set_endpoints([Endpoint("10.0.0.1:8000"), Endpoint("10.0.0.2:8000")])
     scheduler = RoundRobinScheduler()
-    server = EppServer(scheduler, datastore)
+    server = EppServer(RequestFlow(scheduler, datastore))
     candidates = datastore.ready_pods()
 
     def schedule() -> None:
@@ -312,7 +313,11 @@ def breakdown(iterations: int) -> dict[str, float]:
         for _ in range(n):
             exchange = Exchange(server)
             for raw in wire:
-                replies = await exchange.handle(ep.ProcessingRequest.FromString(raw))
+                message = ep.ProcessingRequest.FromString(raw)
+                if exchange.request_mode is None:
+                    exchange.set_modes(px.body_modes(message))
+                event = px.read_event(message, response_started=exchange.phase is not Phase.ROUTED)
+                replies = await exchange.handle(event)
                 for reply in replies:
                     if type(reply) is not bytes:
                         reply.SerializeToString()
@@ -391,6 +396,7 @@ def serve_data_path(port: int, backend: str) -> None:
     have their own benchmark), so changes to either are measured apart."""
     from smart_epp.epp.datastore import Datastore
     from smart_epp.epp.discovery import endpoints_from_addresses
+    from smart_epp.epp.flow import RequestFlow
     from smart_epp.epp.round_robin import RoundRobinScheduler
     from smart_epp.epp.serve_cmd import run_event_loop
     from smart_epp.epp.server import EppServer
@@ -398,7 +404,7 @@ def serve_data_path(port: int, backend: str) -> None:
     async def main() -> None:
         datastore = Datastore()
         datastore.set_endpoints(endpoints_from_addresses([backend]))
-        server = EppServer(RoundRobinScheduler(), datastore)
+        server = EppServer(RequestFlow(RoundRobinScheduler(), datastore))
         await server.start(port, None, None, host="127.0.0.1")
         await server.wait_for_termination()
 

@@ -5,23 +5,24 @@ reference them (`pluginRef`, `weight`). Configs written for the Inference Extens
 llm-d load unchanged; smart-epp's own plugins use the same shape. Every problem found is
 reported at once, each with its field path and its line/column in the YAML source.
 
-The plugin registry (type name -> plugin class) lives here too; plugin modules in
-`smart_epp.scorers` register themselves with `@register_plugin` when imported.
+Plugin types come from the framework's registry; importing the scorers' catalog here
+registers every built-in type before any config is read.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.resources
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from smart_epp.scorers.base import Filter, Picker, Plugin, Scorer
+from ..framework.plugins import Filter, Picker, Plugin, Scorer
+from ..framework.registry import registered_plugins
+from ..scorers import catalog  # noqa: F401  (registers the built-in plugins)
 
 API_VERSIONS = (
     "inference.networking.x-k8s.io/v1alpha1",
@@ -32,28 +33,10 @@ DEFAULT_PICKER = "max-score-picker"
 
 # --------------------------------------------------------------------------- registry
 
-_REGISTRY: dict[str, type[Plugin]] = {}
-P = TypeVar("P", bound=type[Plugin])
-
-
-def register_plugin(*aliases: str) -> Callable[[P], P]:
-    """Class decorator: registers a plugin under its `type_name` and any aliases."""
-
-    def wrap(cls: P) -> P:
-        for type_name in (cls.type_name, *aliases):
-            existing = _REGISTRY.get(type_name)
-            if existing is not None and existing is not cls:
-                raise ValueError(f"plugin type {type_name!r} registered twice")
-            _REGISTRY[type_name] = cls
-        return cls
-
-    return wrap
-
 
 def plugin_types() -> dict[str, type[Plugin]]:
-    """Every registered plugin type, loading the built-in catalog on first use."""
-    importlib.import_module("smart_epp.scorers.catalog")
-    return dict(_REGISTRY)
+    """Every registered plugin type: the built-in catalog and any plugin imported since."""
+    return registered_plugins()
 
 
 # --------------------------------------------------------------------------- the schema

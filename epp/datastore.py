@@ -2,7 +2,8 @@
 
 Single-threaded by design (one event loop per process), so no locking. Discovery calls
 `set_endpoints`; the KV-event subscribers and the metrics scraper follow membership
-through listeners; the server accounts requests in flight with `begin`/`end`.
+through listeners; the request flow books requests in flight with `book`/`release`
+(it remembers what it booked, so the datastore keeps no per-request table).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from smart_epp.epp.types import Endpoint, LLMRequest, PodState
+from ..framework.types import Endpoint, PodState
 
 log = logging.getLogger(__name__)
 
@@ -21,9 +22,6 @@ class Datastore:
     def __init__(self) -> None:
         self._pods: dict[str, PodState] = {}
         self._listeners: list[tuple[EndpointListener, EndpointListener]] = []
-        # (address, id(request)) -> (request, prompt tokens counted at begin). Keeping the
-        # request alive pins its id; remembering the count makes `end` exact and idempotent.
-        self._open: dict[tuple[str, int], tuple[LLMRequest, int]] = {}
 
     # ------------------------------------------------------------ membership
 
@@ -99,37 +97,29 @@ class Datastore:
 
     # ------------------------------------------------------------ in-flight accounting
 
-    def begin(self, address: str, request: LLMRequest) -> None:
+    def book(self, address: str, prompt_tokens: int, adapter: str | None) -> bool:
+        """Counts one request in flight on `address`; False when no such pod exists."""
         pod = self._pods.get(address)
-        key = (address, id(request))
-        if pod is None or key in self._open:
-            return
-        tokens = request.estimated_prompt_tokens()
-        self._open[key] = (request, tokens)
+        if pod is None:
+            return False
         inflight = pod.inflight
         inflight.requests += 1
-        inflight.prompt_tokens += tokens
-        if request.adapter:
-            inflight.adapters[request.adapter] += 1
+        inflight.prompt_tokens += prompt_tokens
+        if adapter:
+            inflight.adapters[adapter] += 1
+        return True
 
-    def end(self, address: str, request: LLMRequest) -> None:
-        """Undoes `begin`; a second call, or one for a pod that left, does nothing."""
-        entry = self._open.pop((address, id(request)), None)
-        if entry is None:
-            return
+    def release(self, address: str, prompt_tokens: int, adapter: str | None) -> None:
+        """Undoes one `book`; a pod that left the pool meanwhile has nothing to undo."""
         pod = self._pods.get(address)
         if pod is None:
             return
         inflight = pod.inflight
         inflight.requests = max(0, inflight.requests - 1)
-        inflight.prompt_tokens = max(0, inflight.prompt_tokens - entry[1])
-        if request.adapter:
-            remaining = inflight.adapters[request.adapter] - 1
+        inflight.prompt_tokens = max(0, inflight.prompt_tokens - prompt_tokens)
+        if adapter:
+            remaining = inflight.adapters[adapter] - 1
             if remaining > 0:
-                inflight.adapters[request.adapter] = remaining
+                inflight.adapters[adapter] = remaining
             else:
-                del inflight.adapters[request.adapter]
-
-    def open_requests(self) -> int:
-        """Requests begun and not yet ended, over all pods (for tests and health)."""
-        return len(self._open)
+                del inflight.adapters[adapter]

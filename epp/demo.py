@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 from rich.console import Console
 
-from smart_epp.epp.ports import free_port, free_port_block
+from .ports import free_port, free_port_block
 
 DEMO_MODEL = "demo-model"
 MOONCAKE_TRACE = (
@@ -180,7 +180,7 @@ class Stack:
 @contextlib.contextmanager
 def running_stack(pods: int, console: Console) -> Iterator[Stack]:
     """Sim pods, epp and Envoy, each a process; all stopped when the block ends."""
-    from smart_epp.epp.envoy_cmd import EnvoyOptions, envoy_command, render_envoy_config
+    from .envoy_cmd import EnvoyOptions, envoy_command, render_envoy_config
 
     workdir = Path(tempfile.mkdtemp(prefix="epp-demo-"))
     group = ProcessGroup(workdir)
@@ -264,11 +264,11 @@ def running_stack(pods: int, console: Console) -> Iterator[Stack]:
 
 
 def live_stage(stack: Stack, args: argparse.Namespace, console: Console) -> bool:
-    from smart_epp.benchmarks.replay.arrivals import poisson_arrivals
-    from smart_epp.benchmarks.replay.cli import progress_bar
-    from smart_epp.benchmarks.replay.live import LiveOptions, run_live, served_requests
-    from smart_epp.benchmarks.replay.report import render_table, summarize
-    from smart_epp.benchmarks.replay.traces import SharedPrefixSpec, generate_shared_prefix
+    from ..benchmarks.replay.arrivals import poisson_arrivals
+    from ..benchmarks.replay.cli import progress_bar
+    from ..benchmarks.replay.live import LiveOptions, run_live, served_requests
+    from ..benchmarks.replay.report import render_table, summarize
+    from ..benchmarks.replay.traces import SharedPrefixSpec, generate_shared_prefix
 
     groups = max(1, args.requests // 6)
     spec = SharedPrefixSpec(
@@ -312,17 +312,17 @@ def live_stage(stack: Stack, args: argparse.Namespace, console: Console) -> bool
 
 
 def sim_stage(args: argparse.Namespace, console: Console) -> None:
-    from smart_epp.benchmarks.replay.arrivals import scaled_arrivals
-    from smart_epp.benchmarks.replay.cli import (
+    from ..benchmarks.replay.arrivals import scaled_arrivals
+    from ..benchmarks.replay.cli import (
         Workload,
         max_request_len,
         progress_bar,
         simulate_policy,
     )
-    from smart_epp.benchmarks.replay.report import render_table, results_json, summarize
-    from smart_epp.benchmarks.replay.report import write_json as write_results
-    from smart_epp.benchmarks.replay.sim import SimConfig, pod_address
-    from smart_epp.benchmarks.replay.traces import infinite_cache_hit_rate, load_mooncake
+    from ..benchmarks.replay.report import render_table, results_json, summarize
+    from ..benchmarks.replay.report import write_json as write_results
+    from ..benchmarks.replay.sim import SimConfig, pod_address
+    from ..benchmarks.replay.traces import infinite_cache_hit_rate, load_mooncake
 
     requests = load_mooncake(args.trace, limit=args.sim_requests)
     workload = Workload(requests, scaled_arrivals(requests, args.sim_speedup))

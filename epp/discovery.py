@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from smart_epp.epp.datastore import Datastore
-from smart_epp.epp.types import Endpoint
+from ..framework.types import Endpoint
+from .datastore import Datastore
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Literal
 
 import jinja2
 
-from smart_epp.epp.discovery import parse_address
-from smart_epp.epp.server import DEFAULT_MAX_BODY_BYTES
+from .discovery import parse_address
+from .server import DEFAULT_MAX_BODY_BYTES
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml.j2"
 

@@ -16,6 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ..framework.lifecycle import FlowRequest, OutcomeObserver
+from ..framework.types import Outcome
+
 _LATENCY_BUCKETS = (
     0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2, 3, 4, 5, 6, 8, 10,
     15, 20, 30, 45, 60, 120, 180, 240, 300, 360, 480, 600, 900, 1200, 1800, 2700, 3600,
@@ -125,6 +128,10 @@ class GatewayMetrics:
                 self._objectives[key] = found
         return found
 
+    def outcome_recorder(self) -> OutcomeMetrics:
+        """The request-flow hook that records each routed request's outcome here."""
+        return OutcomeMetrics(self)
+
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         """Exposes /metrics on `port` (0 picks one); returns the bound port."""
         server, thread = start_http_server(port, host, registry=self.registry)
@@ -138,3 +145,23 @@ class GatewayMetrics:
             server.server_close()
             thread.join(timeout=5)
             self._http = None
+
+
+class OutcomeMetrics(OutcomeObserver):
+    """Request duration, token counts and error responses, per objective, from outcomes."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+
+    def on_outcome(self, flow: FlowRequest, outcome: Outcome) -> None:
+        request = flow.request
+        metrics = self._metrics
+        target = request.adapter or request.model
+        objective = metrics.objective(request.model, target)
+        objective.duration.observe(max(0.0, outcome.now - flow.received_at))
+        usage = outcome.usage
+        if usage is not None:
+            objective.input_tokens.observe(usage.prompt_tokens)
+            objective.output_tokens.observe(usage.completion_tokens)
+        if not outcome.ok and outcome.status >= 400:
+            metrics.errors.labels(request.model, target, str(outcome.status)).inc()

@@ -28,8 +28,8 @@ from typing import Any
 import aiohttp
 from prometheus_client import Counter
 
-from smart_epp.epp.datastore import Datastore
-from smart_epp.epp.types import Endpoint
+from ..framework.types import Endpoint
+from .datastore import Datastore
 
 log = logging.getLogger(__name__)
 

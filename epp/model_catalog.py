@@ -32,9 +32,9 @@ from typing import Any
 import aiohttp
 from prometheus_client import Counter
 
-from smart_epp.epp.errors import RequestError
-from smart_epp.epp.scrape import polling_session
-from smart_epp.epp.types import Endpoint, PodState
+from ..framework.types import Endpoint, PodState
+from .errors import RequestError
+from .scrape import polling_session
 
 log = logging.getLogger(__name__)
 

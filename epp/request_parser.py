@@ -11,8 +11,8 @@ from typing import Any
 
 import msgspec
 
-from smart_epp.epp.errors import RequestError
-from smart_epp.epp.types import Api, LLMRequest
+from ..framework.types import Api, LLMRequest
+from .errors import RequestError
 
 # Maps a `model` value to the LoRA adapter it names, or None for a base model.
 AdapterResolver = Callable[[str], str | None]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from smart_epp.epp.types import Decision, LLMRequest, PodState, Usage
+from ..framework.types import Decision, LLMRequest, Outcome, PodState
 
 
 class RoundRobinScheduler:
@@ -23,12 +23,5 @@ class RoundRobinScheduler:
     def on_routed(self, request: LLMRequest, decision: Decision) -> None:
         pass
 
-    def on_response(
-        self,
-        request: LLMRequest,
-        address: str,
-        usage: Usage | None,
-        ttft_s: float | None,
-        ok: bool,
-    ) -> None:
+    def on_outcome(self, request: LLMRequest, decision: Decision, outcome: Outcome) -> None:
         pass

@@ -1,6 +1,6 @@
 """The scheduling pipeline: prepare -> filters -> weighted scorers -> picker.
 
-`PipelineScheduler` implements the `Scheduler` protocol of `epp.scheduler_api`. Per
+`PipelineScheduler` implements the framework's `Scheduler` protocol. Per
 request, an async prepare step gathers what the plugins need exactly once — the prompt's
 token ids (from the request, a local tokenizer or a pod's /tokenize) and each candidate
 pod's longest cached prefix (from the KV index) — then the decision itself runs as pure,
@@ -14,33 +14,27 @@ per plugin, `inference_extension_plugin_duration_seconds`.
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import inspect
 import logging
 import random
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 
-from smart_epp.epp.config import LoadedConfig, PluginSet, Profile, instantiate, load_config
-from smart_epp.epp.tokenization import (
-    LocalTokenizer,
-    PodTokenizer,
-    PromptTokenizer,
-    TokenizerRouter,
-)
-from smart_epp.epp.types import Decision, LLMRequest, PodState, Usage
-from smart_epp.kv_index.api import BlockIndex, PrefixHit
-from smart_epp.kv_index.keys import KeyScope, block_keys
-from smart_epp.kv_index.memory import DEFAULT_SPECULATIVE_TTL_S
-from smart_epp.scorers.base import Plugin, SchedulingContext
+from ..framework.plugins import OutcomeHook, Plugin, RoutingHook, SchedulingContext
+from ..framework.scheduling import PrefixMatcher, PromptTokenizer
+from ..framework.types import Decision, LLMRequest, Outcome, PodState, PrefixHit
+from ..kv_index.api import BlockIndex
+from ..kv_index.lookup import IndexPrefixMatcher, ModelOf
+from ..kv_index.memory import DEFAULT_SPECULATIVE_TTL_S
+from .config import LoadedConfig, PluginSet, Profile, instantiate, load_config
+from .tokenization import LocalTokenizer, PodTokenizer, TokenizerRouter
 
 log = logging.getLogger(__name__)
 
@@ -93,118 +87,8 @@ def scheduler_metrics(
 
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's GPU default; pods that report theirs override it
-MAX_TRACKED_REQUESTS = 100_000  # decisions awaiting on_response; oldest dropped beyond
 
 BlockSizeOf = Callable[[str], int | None]  # pod address -> block size (e.g. IngestState)
-ModelOf = Callable[[str], str | None]  # pod address -> base model its KV events are keyed by
-
-
-# --------------------------------------------------------------------------- prefix matching
-
-
-class PrefixMatcher(Protocol):
-    """Finds, per pod, the longest run of the prompt's blocks the pod holds."""
-
-    async def match(
-        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
-    ) -> Mapping[str, PrefixHit]: ...
-
-    def match_sync(
-        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
-    ) -> Mapping[str, PrefixHit] | None:
-        """The same without awaiting, or None when the backend cannot answer synchronously."""
-        ...
-
-
-class IndexPrefixMatcher:
-    """Prefix matching against a `BlockIndex` with the KV index's key recipe.
-
-    Keys depend on the block size and on the scope (base model, adapter, cache_salt), so
-    pods are grouped by (block size, base model) and keys are computed once per group —
-    normally one group for the whole pool. A pod's base model is what its KV events were
-    keyed with (`model_of`, e.g. `IngestState.model`); otherwise the request's model for
-    base-model requests, or `base_model` for adapter requests (whose `model` names the
-    adapter).
-    """
-
-    def __init__(
-        self,
-        index: BlockIndex,
-        *,
-        model_of: ModelOf | None = None,
-        base_model: str | None = None,
-    ) -> None:
-        self.index = index
-        self._pending: set[asyncio.Task[None]] = set()
-        self._model_of = model_of
-        self._base_model = base_model
-
-    def _groups(
-        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
-    ) -> list[tuple[list[int], list[str]]]:
-        fallback = request.model if request.adapter is None else self._base_model or request.model
-        model_of = self._model_of
-        groups: dict[tuple[int, str], list[str]] = {}
-        for address, size in block_sizes.items():
-            model = (model_of(address) if model_of is not None else None) or fallback
-            groups.setdefault((size, model), []).append(address)
-        out = []
-        for (size, model), addresses in groups.items():
-            scope = KeyScope(model, request.adapter, request.cache_salt)
-            out.append((block_keys(token_ids, size, scope), addresses))
-        return out
-
-    async def match(
-        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
-    ) -> Mapping[str, PrefixHit]:
-        hits: dict[str, PrefixHit] = {}
-        for keys, addresses in self._groups(token_ids, request, block_sizes):
-            if keys:
-                hits.update(await self.index.lookup(keys, addresses))
-        return hits
-
-    def speculate(
-        self,
-        token_ids: Sequence[int],
-        request: LLMRequest,
-        address: str,
-        block_size: int,
-        ttl_s: float,
-    ) -> None:
-        """Marks the prompt's blocks as held by `address` for `ttl_s` seconds.
-
-        The pod's KV events confirm them only after its prefill; until then, a burst of
-        requests sharing the prefix would otherwise each look uncached everywhere.
-        """
-        ((keys, _),) = self._groups(token_ids, request, {address: block_size})
-        if not keys:
-            return
-        add_sync = getattr(self.index, "add_speculative_sync", None)
-        if add_sync is not None:
-            add_sync(address, keys, ttl_s)
-            return
-        task = asyncio.get_running_loop().create_task(
-            self.index.add_speculative(address, keys, ttl_s)
-        )
-        self._pending.add(task)
-        task.add_done_callback(self._speculation_done)
-
-    def _speculation_done(self, task: asyncio.Task[None]) -> None:
-        self._pending.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("speculative index entry failed: %s", task.exception())
-
-    def match_sync(
-        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
-    ) -> Mapping[str, PrefixHit] | None:
-        lookup_sync = getattr(self.index, "lookup_sync", None)
-        if lookup_sync is None:
-            return None
-        hits: dict[str, PrefixHit] = {}
-        for keys, addresses in self._groups(token_ids, request, block_sizes):
-            if keys:
-                hits.update(lookup_sync(keys, addresses))
-        return hits
 
 
 # --------------------------------------------------------------------------- the scheduler
@@ -245,7 +129,8 @@ class PipelineScheduler:
         self.active_plugins = active
         self.needs_tokens = any(p.needs_tokens for p in active)
         self.needs_prefix_hits = any(p.needs_prefix_hits for p in active)
-        self._contexts: OrderedDict[str, SchedulingContext] = OrderedDict()
+        self._routing_hooks = [p for p in active if isinstance(p, RoutingHook)]
+        self._outcome_hooks = [p for p in active if isinstance(p, OutcomeHook)]
         metrics = metrics or scheduler_metrics()
         plugin_timer = metrics.plugin
         self._e2e = metrics.e2e
@@ -366,7 +251,7 @@ class PipelineScheduler:
         profile = self.profile
         timers = self._timers
         perf = time.perf_counter
-        pods = [p for p in candidates if p.ready]
+        pods = list(candidates)
         for f in profile.filters:
             if not pods:
                 break
@@ -397,11 +282,12 @@ class PipelineScheduler:
         else:
             picked = []
 
-        decision = Decision(endpoints=picked, profile=profile.name, prompt_token_ids=ctx.token_ids)
+        decision = Decision(
+            endpoints=picked, profile=profile.name, prompt_token_ids=ctx.token_ids, context=ctx
+        )
         if ctx.explain:
             decision.explain = self._explanation(ctx, pods, per_scorer, totals)
             log.debug(self._explain_line(ctx, decision))
-        self._remember(ctx)
         return decision
 
     def _fallbacks(
@@ -444,23 +330,18 @@ class PipelineScheduler:
 
     # ------------------------------------------------------------------ outcomes
 
-    def _remember(self, ctx: SchedulingContext) -> None:
-        contexts = self._contexts
-        contexts[ctx.request.request_id] = ctx
-        while len(contexts) > MAX_TRACKED_REQUESTS:
-            contexts.popitem(last=False)
-
     def on_routed(self, request: LLMRequest, decision: Decision) -> None:
-        ctx = self._contexts.get(request.request_id)
-        if ctx is None or not decision.endpoints:
+        ctx = decision.context
+        if not isinstance(ctx, SchedulingContext) or not decision.endpoints:
             return
         ctx.now = self.clock()
         chosen = decision.endpoints[0]
-        for plugin in self.active_plugins:
+        for plugin in self._routing_hooks:
             plugin.on_routed(ctx, chosen)
         self._speculate(ctx, chosen)
-        # Only the request itself is needed until its response: drop the token ids, index
-        # matches and per-pod scratch so thousands of requests in flight stay cheap.
+        # Only what the outcome hooks kept is needed until the response: drop the token
+        # ids, index matches and per-pod scratch so thousands of requests in flight stay
+        # cheap.
         ctx.token_ids = None
         ctx.prefix_hits = None
         ctx.scratch.clear()
@@ -482,20 +363,12 @@ class PipelineScheduler:
         except Exception:  # a hint that could not be recorded must never fail the request
             log.exception("speculative index entry failed")
 
-    def on_response(
-        self,
-        request: LLMRequest,
-        address: str,
-        usage: Usage | None,
-        ttft_s: float | None,
-        ok: bool,
-    ) -> None:
-        ctx = self._contexts.pop(request.request_id, None)
-        if ctx is None:
+    def on_outcome(self, request: LLMRequest, decision: Decision, outcome: Outcome) -> None:
+        ctx = decision.context
+        if not isinstance(ctx, SchedulingContext):
             return
-        now = self.clock()
-        for plugin in self.active_plugins:
-            plugin.on_response(ctx, address, usage, ttft_s, ok, now)
+        for plugin in self._outcome_hooks:
+            plugin.on_outcome(ctx, outcome)
 
     async def aclose(self) -> None:
         close = getattr(self.tokenizer, "aclose", None)
@@ -604,10 +477,7 @@ def build_scheduler(
 
 
 __all__ = [
-    "IndexPrefixMatcher",
-    "ModelOf",
     "PipelineScheduler",
-    "PrefixMatcher",
     "SchedulerMetrics",
     "build_scheduler",
     "scheduler_metrics",

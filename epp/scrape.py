@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 from prometheus_client import Counter, Histogram
 
-from smart_epp.epp.types import PodMetrics, PodState
+from ..framework.types import PodMetrics, PodState
 
 log = logging.getLogger(__name__)
 

@@ -21,29 +21,29 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from smart_epp.epp.config import BUILTIN_CONFIGS, ConfigError, load_config
-from smart_epp.epp.datastore import Datastore
-from smart_epp.epp.discovery import EndpointsFileWatcher, endpoints_from_addresses, parse_address
-from smart_epp.epp.gateway_metrics import GatewayMetrics
-from smart_epp.epp.k8s_discovery import (
+from ..framework.types import PodState
+from ..kv_index.api import BlockIndex
+from ..kv_index.ingest import IngestState
+from ..kv_index.manager import KVEventManager
+from ..kv_index.memory import DEFAULT_CAPACITY, MemoryBlockIndex
+from ..kv_index.redis_backend import RedisBlockIndex
+from .config import BUILTIN_CONFIGS, ConfigError, load_config
+from .datastore import Datastore
+from .discovery import EndpointsFileWatcher, endpoints_from_addresses, parse_address
+from .flow import RequestFlow
+from .gateway_metrics import GatewayMetrics
+from .k8s_discovery import (
     KubernetesDiscoveryOptions,
     KubernetesPoolWatcher,
     kubernetes_discovery_options,
 )
-from smart_epp.epp.model_catalog import ModelCatalog, ModelCatalogPoller, ServedModels
-from smart_epp.epp.model_routing import ServedModelScheduler
-from smart_epp.epp.scheduler import build_scheduler
-from smart_epp.epp.scheduler_api import Scheduler
-from smart_epp.epp.scrape import MetricsScraper
-from smart_epp.epp.server import DEFAULT_MAX_BODY_BYTES, EppServer, ServerOptions
-from smart_epp.epp.tokenization import TokenizerRouter
-from smart_epp.epp.traffic_recorder import TrafficRecorder
-from smart_epp.epp.types import PodState
-from smart_epp.kv_index.api import BlockIndex
-from smart_epp.kv_index.ingest import IngestState
-from smart_epp.kv_index.manager import KVEventManager
-from smart_epp.kv_index.memory import DEFAULT_CAPACITY, MemoryBlockIndex
-from smart_epp.kv_index.redis_backend import RedisBlockIndex
+from .model_catalog import ModelCatalog, ModelCatalogPoller, ServedModels
+from .model_routing import ServedModelFilter
+from .scheduler import build_scheduler
+from .scrape import MetricsScraper
+from .server import DEFAULT_MAX_BODY_BYTES, EppServer, ServerOptions
+from .tokenization import TokenizerRouter
+from .traffic_recorder import TrafficRecorder
 
 log = logging.getLogger(__name__)
 
@@ -212,16 +212,15 @@ async def serve(
     scraper = MetricsScraper(
         datastore, interval_s=options.scrape_interval_s, on_restart=pod_restarted
     )
-    routed: Scheduler = ServedModelScheduler(scheduler, catalog)
+    flow = RequestFlow(scheduler, datastore, hooks=[ServedModelFilter(catalog)])
     recorder: TrafficRecorder | None = None
     if options.record_traffic is not None:
         recorder = TrafficRecorder.to_file(
-            routed, options.record_traffic, include_content=options.record_prompts
+            options.record_traffic, include_content=options.record_prompts
         )
-        routed = recorder
+        flow.add_hook(recorder)
     server = EppServer(
-        routed,
-        datastore,
+        flow,
         adapter_resolver=catalog.resolve_adapter,
         options=ServerOptions(max_body_bytes=options.max_body_bytes, pool_name=options.pool_name),
         metrics=metrics,

@@ -1,14 +1,18 @@
 """The ext_proc gRPC server: one `Exchange` per HTTP request that Envoy streams to us.
 
-Request path: parse the OpenAI body, narrow the candidates (readiness, subset hint), ask
-the Scheduler, answer Envoy with the destination header + `envoy.lb` metadata.
-Response path: learn the served endpoint, read `usage` as chunks pass (after each chunk
-has been answered, so the stream is never held up), close the in-flight accounting and
-report to the Scheduler.
+`Exchange` is a sans-IO state machine in the spirit of h11: plain events in (decoded by
+`proto.extproc.read_event`), replies out, no sockets and no gRPC, so it is tested by
+feeding it events. It translates Envoy's protocol to and from the `RequestFlow`, which
+owns the request's life: candidates, scheduling, in-flight accounting, re-booking to the
+endpoint that served, and the outcome hooks.
+
+Request path: parse the OpenAI body, route through the flow, answer Envoy with the
+destination header + `envoy.lb` metadata. Response path: learn the status and the served
+endpoint, read `usage` as chunks pass (after each chunk has been answered, so the stream
+is never held up), and finish the flow.
 
 Adapter resolution: `adapter_resolver(model)` returns the LoRA adapter a model name
-refers to, or None for a base model; the default knows no adapters. The scheduler's
-owner supplies one built from the pool's served adapters.
+refers to, or None for a base model; the default knows no adapters.
 """
 
 from __future__ import annotations
@@ -19,19 +23,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from enum import Enum
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from smart_epp.epp.datastore import Datastore
-from smart_epp.epp.errors import RequestError
-from smart_epp.epp.gateway_metrics import GatewayMetrics
-from smart_epp.epp.request_parser import AdapterResolver, no_adapters, parse_request
-from smart_epp.epp.scheduler_api import Scheduler
-from smart_epp.epp.types import LLMRequest
-from smart_epp.epp.usage import UsageReader
-from smart_epp.proto import extproc as px
-from smart_epp.proto.extproc import BodyMode
+from ..framework.lifecycle import FlowRequest
+from ..proto import extproc as px
+from ..proto.extproc import BodyMode
+from .errors import RequestError
+from .flow import RequestFlow
+from .gateway_metrics import GatewayMetrics
+from .request_parser import AdapterResolver, no_adapters, parse_request
+from .usage import UsageReader
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +46,19 @@ HEALTH_SERVICES = ("", "liveness", "readiness", px.SERVICE_NAME)
 @dataclass(slots=True)
 class ServerOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    # How many endpoints go into the destination (primary first, then fallbacks).
-    destination_count: int = 1
     # Used when Envoy does not announce its body mode on the stream (older Envoy).
     default_request_body_mode: BodyMode = BodyMode.FULL_DUPLEX_STREAMED
     pool_name: str = "default"
+
+
+class Phase(Enum):
+    """Where one exchange stands."""
+
+    REQUEST_HEADERS = "request-headers"  # nothing received yet
+    REQUEST_BODY = "request-body"  # headers seen, body arriving
+    ROUTED = "routed"  # the decision was sent; waiting for the response
+    RESPONSE = "response"  # the response is flowing
+    DONE = "done"  # finished, or refused with an immediate response
 
 
 class Exchange:
@@ -57,81 +69,77 @@ class Exchange:
         "_body_parts",
         "_body_size",
         "_headers",
+        "_labels",
         "_reader",
-        "_response_seen",
-        "_started",
         "_subset",
-        "done",
-        "finished",
-        "first_byte_at",
+        "flow",
         "gw",
-        "picked_at",
-        "primary",
-        "request",
+        "phase",
+        "refused",
         "request_id",
         "request_mode",
         "response_mode",
-        "served",
         "status",
+        "tracked",
     )
 
     def __init__(self, gateway: EppServer) -> None:
         self.gw = gateway
+        self.flow: RequestFlow = gateway.flow
+        self.phase = Phase.REQUEST_HEADERS
         self.request_mode: BodyMode | None = None
         self.response_mode = BodyMode.STREAMED
         self.request_id = ""
-        self.request: LLMRequest | None = None
-        self.primary: str | None = None
-        self.served: str | None = None
+        self.tracked: FlowRequest | None = None
+        self.refused = False  # an immediate response was sent: the stream must end
         self.status = 0
-        self.done = False  # the stream must end (an immediate response was sent)
-        self.finished = False
-        self.picked_at = 0.0
-        self.first_byte_at = 0.0
         self._headers: dict[str, str] = {}
+        self._labels = ("", "")  # (model, target model) of the parsed request
         self._body_parts: list[bytes] = []
         self._body_size = 0
         self._subset: list[str] | None = None
         self._reader: UsageReader | None = None
-        self._response_seen = False
-        self._started = time.perf_counter()
         # Work to do once the replies are on their way to Envoy.
         self._after: Callable[[], None] | None = None
 
+    @property
+    def done(self) -> bool:
+        """The stream must end (an immediate response was sent)."""
+        return self.refused
+
+    def set_modes(self, modes: tuple[BodyMode, BodyMode] | None) -> None:
+        """The body modes Envoy announced on the stream's first message (None: not told)."""
+        if self.request_mode is not None:
+            return
+        if modes is None:
+            self.request_mode = self.gw.options.default_request_body_mode
+        else:
+            self.request_mode, self.response_mode = modes
+
     # -------------------------------------------------------------- dispatch
 
-    async def handle(self, message: px.ProcessingRequest) -> list[px.Reply]:
+    async def handle(self, event: px.Event | None) -> list[px.Reply]:
         if self.request_mode is None:
-            modes = px.body_modes(message)
-            if modes is None:
-                self.request_mode = self.gw.options.default_request_body_mode
-            else:
-                self.request_mode, self.response_mode = modes
-        kind = message.WhichOneof("request")
+            self.set_modes(None)
+        if isinstance(event, (px.ResponseBody, px.ResponseHeaders, px.ResponseTrailers)):
+            try:
+                return self._on_response(event)
+            except Exception:
+                # The response already flows; never break it over bookkeeping.
+                log.exception("request %s: response bookkeeping failed", self.request_id or "?")
+                return [self._continue_response(event)]
         try:
-            if kind == "request_headers":
-                return await self._on_request_headers(message)
-            if kind == "request_body":
-                return await self._on_request_body(message.request_body)
-            if kind == "request_trailers":
+            if isinstance(event, px.RequestBody):
+                return await self._on_request_body(event)
+            if isinstance(event, px.RequestHeaders):
+                return await self._on_request_headers(event)
+            if isinstance(event, px.RequestTrailers):
                 return await self._on_request_trailers()
         except RequestError as error:
             return [self._refuse(error)]
         except Exception:
             log.exception("request %s failed in the endpoint picker", self.request_id or "?")
             return [self._refuse(RequestError.internal(self.request_id or "?"))]
-        try:
-            if kind == "response_headers":
-                return self._on_response_headers(message)
-            if kind == "response_body":
-                return self._on_response_body(message)
-            if kind == "response_trailers":
-                self._after = self._finish_ok
-                return [px.CONTINUE_RESPONSE_TRAILERS]
-        except Exception:
-            # The response already flows; never break it over bookkeeping.
-            log.exception("request %s: response bookkeeping failed", self.request_id or "?")
-            return [self._continue_response(kind, message)]
         return []
 
     def after_replies(self) -> None:
@@ -142,31 +150,31 @@ class Exchange:
 
     # -------------------------------------------------------------- request path
 
-    async def _on_request_headers(self, message: px.ProcessingRequest) -> list[px.Reply]:
-        http = message.request_headers
-        self._headers = headers = px.headers_of(http)
+    async def _on_request_headers(self, event: px.RequestHeaders) -> list[px.Reply]:
+        self._headers = headers = event.headers
         self.request_id = headers.get("x-request-id", "")
-        self._subset = px.subset_hint(message)
-        if http.end_of_stream:
+        self._subset = event.subset
+        self.phase = Phase.REQUEST_BODY
+        if event.end_of_stream:
             return await self._decide(b"", headers_phase=True)
         if self.request_mode is BodyMode.FULL_DUPLEX_STREAMED:
             return []  # the headers reply carries the decision, so it waits for the body
         return [px.CONTINUE_REQUEST_HEADERS]
 
-    async def _on_request_body(self, http_body: px.ProcessingRequest) -> list[px.Reply]:
-        chunk = http_body.body
+    async def _on_request_body(self, event: px.RequestBody) -> list[px.Reply]:
+        chunk = event.chunk
         if chunk:
             self._body_size += len(chunk)
             if self._body_size > self.gw.options.max_body_bytes:
                 raise RequestError.too_large(self.gw.options.max_body_bytes)
             self._body_parts.append(chunk)
-        if not http_body.end_of_stream:
+        if not event.end_of_stream:
             return []
         full_duplex = self.request_mode is BodyMode.FULL_DUPLEX_STREAMED
         return await self._decide(self._take_body(), headers_phase=full_duplex, body_eos=True)
 
     async def _on_request_trailers(self) -> list[px.Reply]:
-        if self.request_mode is not BodyMode.FULL_DUPLEX_STREAMED or self.request is not None:
+        if self.request_mode is not BodyMode.FULL_DUPLEX_STREAMED or self.tracked is not None:
             return [px.CONTINUE_REQUEST_TRAILERS]
         replies = await self._decide(self._take_body(), headers_phase=True, body_eos=False)
         if self.done:
@@ -196,31 +204,19 @@ class Exchange:
             self.request_id,
             gw.adapter_resolver,
         )
-        self.request = request
-        gw.metrics.objective(request.model, request.adapter or request.model).requests.inc()
-
-        candidates = gw.datastore.ready_pods()
-        if self._subset is not None:
-            allowed = set(self._subset)
-            candidates = [p for p in candidates if p.address in allowed]
-        if not candidates:
-            raise RequestError.no_endpoint(
-                "no endpoint in the requested subset is available"
-                if self._subset is not None
-                else "no endpoint available to serve the request"
-            )
+        self._labels = (request.model, request.adapter or request.model)
+        gw.metrics.objective(*self._labels).requests.inc()
+        flow = self.flow
+        tracked = flow.start(request)
         started = time.perf_counter()
-        decision = await gw.scheduler.schedule(request, candidates)
-        self.picked_at = now = time.perf_counter()
-        gw.metrics.scheduler_e2e.observe(now - started)
-        if not decision.endpoints:
-            raise RequestError.no_endpoint()
-
-        chosen = decision.endpoints[: gw.options.destination_count]
+        try:
+            chosen = await flow.route(tracked, self._subset)
+        finally:
+            gw.metrics.scheduler_e2e.observe(time.perf_counter() - started)
+        self.tracked = tracked
+        self.phase = Phase.ROUTED
         destination = chosen[0].address if len(chosen) == 1 else ",".join(p.address for p in chosen)
-        self.primary = self.served = chosen[0].address
-        gw.datastore.begin(self.primary, request)
-        self._after = lambda: gw.scheduler.on_routed(request, decision)
+        self._after = lambda: flow.routed(tracked)
 
         if not headers_phase:
             return [px.route_in_body_phase(destination, extra_headers)]
@@ -230,71 +226,68 @@ class Exchange:
         return replies
 
     def _refuse(self, error: RequestError) -> px.Reply:
-        self.done = True
+        self.phase = Phase.DONE
+        self.refused = True
         self.status = error.status
-        request = self.request
-        model, target = (
-            ("", "") if request is None else (request.model, request.adapter or request.model)
-        )
-        self.gw.metrics.errors.labels(model, target, str(error.status)).inc()
-        if request is not None and self.primary is not None:
-            self._finish(ok=False)
+        tracked = self.tracked
+        if tracked is not None:  # the outcome hooks count the error
+            self.flow.finish(tracked, ok=False, status=error.status)
+        else:
+            self.gw.metrics.errors.labels(*self._labels, str(error.status)).inc()
         return px.immediate_response(
             error.status, error.body(), f"epp_{error.status}", self.request_id or None
         )
 
     # -------------------------------------------------------------- response path
 
-    def _continue_response(self, kind: str | None, message: px.ProcessingRequest) -> px.Reply:
-        if kind == "response_headers":
+    def _continue_response(self, event: px.Event) -> px.Reply:
+        if isinstance(event, px.ResponseHeaders):
             return px.CONTINUE_RESPONSE_HEADERS
-        if kind == "response_body" and self.response_mode is not BodyMode.FULL_DUPLEX_STREAMED:
-            return px.CONTINUE_RESPONSE_BODY
-        if kind == "response_body":
-            body = message.response_body
-            return px.streamed_response_body(body.body, body.end_of_stream)[0]
+        if isinstance(event, px.ResponseBody):
+            if self.response_mode is not BodyMode.FULL_DUPLEX_STREAMED:
+                return px.CONTINUE_RESPONSE_BODY
+            return px.streamed_response_body(event.chunk, event.end_of_stream)[0]
         return px.CONTINUE_RESPONSE_TRAILERS
 
-    def _learn_response(self, message: px.ProcessingRequest, status: int | None) -> None:
+    def _on_response(self, event: px.Event) -> list[px.Reply]:
+        if isinstance(event, px.ResponseBody):
+            return self._on_response_body(event)
+        if isinstance(event, px.ResponseHeaders):
+            return self._on_response_headers(event)
+        self._after = self._finish_ok
+        return [px.CONTINUE_RESPONSE_TRAILERS]
+
+    def _learn_response(self, status: int | None, served: str | None) -> None:
         """First message of the response: its status, and which endpoint answered."""
-        self._response_seen = True
-        if status is None:
-            status = px.response_code(message)
+        self.phase = Phase.RESPONSE
         if status is not None:
             self.status = status
-        request = self.request
-        served = px.served_endpoint(message)
-        if request is not None and served and served != self.served:
-            # A fallback (or a retry) answered: move the in-flight count to it.
-            # (`begin` ignores an address outside the pool.)
-            datastore = self.gw.datastore
-            datastore.end(self.served or "", request)
-            datastore.begin(served, request)
-            self.served = served
+        tracked = self.tracked
+        if tracked is not None and served:
+            self.flow.served_by(tracked, served)
 
-    def _on_response_headers(self, message: px.ProcessingRequest) -> list[px.Reply]:
-        http = message.response_headers
-        headers = px.headers_of(http)
+    def _on_response_headers(self, event: px.ResponseHeaders) -> list[px.Reply]:
+        headers = event.headers
         status = headers.get(":status", "")
         self._reader = UsageReader(headers.get("content-type", ""))
-        self._learn_response(message, int(status) if status.isdigit() else None)
-        if http.end_of_stream:
+        self._learn_response(int(status) if status.isdigit() else None, event.served)
+        if event.end_of_stream:
             self._after = self._finish_ok
         return [px.CONTINUE_RESPONSE_HEADERS]
 
-    def _on_response_body(self, message: px.ProcessingRequest) -> list[px.Reply]:
+    def _on_response_body(self, event: px.ResponseBody) -> list[px.Reply]:
         # The shipped Envoy config skips the response headers message (one round trip
         # less per request): the status and the served endpoint then come as attributes
         # of the first body message, and the body's format is recognised from its bytes.
-        if not self._response_seen:
-            self._learn_response(message, None)
+        if self.phase is not Phase.RESPONSE:
+            self._learn_response(event.status, event.served)
         if self._reader is None:
             self._reader = UsageReader(None)
-        http_body = message.response_body
-        chunk = http_body.body
-        eos = http_body.end_of_stream
-        if not self.first_byte_at and chunk:
-            self.first_byte_at = time.perf_counter()
+        chunk = event.chunk
+        eos = event.end_of_stream
+        tracked = self.tracked
+        if chunk and tracked is not None and tracked.first_byte_at is None:
+            self.flow.first_byte(tracked)
         reader = self._reader
         if chunk:
             if eos:
@@ -311,30 +304,13 @@ class Exchange:
         self._finish(ok=200 <= self.status < 400)
 
     def _finish(self, ok: bool) -> None:
-        """Closes the request's accounting exactly once (end of stream, error or reset)."""
-        if self.finished:
+        """Ends the request's flow exactly once (end of stream, error or reset)."""
+        self.phase = Phase.DONE
+        tracked = self.tracked
+        if tracked is None or tracked.finished:
             return
-        self.finished = True
-        request = self.request
-        if request is None or self.served is None:
-            return
-        gw = self.gw
-        gw.datastore.end(self.served, request)
         usage = self._reader.finish() if self._reader is not None else None
-        ttft = self.first_byte_at - self.picked_at if self.first_byte_at else None
-        metrics = gw.metrics
-        target = request.adapter or request.model
-        objective = metrics.objective(request.model, target)
-        objective.duration.observe(time.perf_counter() - self._started)
-        if usage is not None:
-            objective.input_tokens.observe(usage.prompt_tokens)
-            objective.output_tokens.observe(usage.completion_tokens)
-        if not ok and self.status >= 400 and not self.done:
-            metrics.errors.labels(request.model, target, str(self.status)).inc()
-        try:
-            gw.scheduler.on_response(request, self.served, usage, ttft, ok)
-        except Exception:
-            log.exception("scheduler.on_response failed for request %s", self.request_id)
+        self.flow.finish(tracked, ok=ok, status=self.status, usage=usage)
 
     def close(self) -> None:
         """The stream ended: anything still open ended without a complete response.
@@ -346,7 +322,7 @@ class Exchange:
             self.after_replies()
         except Exception:
             log.exception("request %s: response bookkeeping failed", self.request_id or "?")
-        if not self.finished:
+        if self.tracked is not None and not self.tracked.finished:
             self._finish(ok=False)
 
 
@@ -355,20 +331,22 @@ class EppServer:
 
     def __init__(
         self,
-        scheduler: Scheduler,
-        datastore: Datastore,
+        flow: RequestFlow,
         *,
         adapter_resolver: AdapterResolver = no_adapters,
         options: ServerOptions | None = None,
         metrics: GatewayMetrics | None = None,
     ) -> None:
-        self.scheduler = scheduler
-        self.datastore = datastore
+        self.flow = flow
+        self.datastore = flow.datastore
         self.adapter_resolver = adapter_resolver
         self.options = options or ServerOptions()
+        datastore = flow.datastore
         self.metrics = metrics or GatewayMetrics(
             self.options.pool_name, lambda: len(datastore.ready_pods())
         )
+        # Durations, token counts and response errors come from each request's outcome.
+        flow.add_hook(self.metrics.outcome_recorder())
         self.grpc_port = 0
         self.health_port = 0
         self.metrics_port = 0
@@ -385,9 +363,16 @@ class EppServer:
         # context.read() rather than `async for` over `requests`: one async-generator
         # layer less per message, measurably cheaper on grpc.aio.
         read, write, end = context.read, context.write, grpc.aio.EOF
+        read_event, body_modes = px.read_event, px.body_modes
         try:
             while (message := await read()) is not end:
-                replies = await exchange.handle(message)  # type: ignore[arg-type]
+                if exchange.request_mode is None:
+                    exchange.set_modes(body_modes(message))  # type: ignore[arg-type]
+                event = read_event(
+                    message,  # type: ignore[arg-type]
+                    response_started=exchange.phase is not Phase.ROUTED,
+                )
+                replies = await exchange.handle(event)
                 for reply in replies:
                     await write(reply)
                 exchange.after_replies()
@@ -439,4 +424,4 @@ class EppServer:
             await self._grpc.wait_for_termination()
 
 
-__all__ = ["EppServer", "Exchange", "ServerOptions"]
+__all__ = ["EppServer", "Exchange", "Phase", "ServerOptions"]

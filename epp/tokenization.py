@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import aiohttp
 import xxhash
@@ -35,7 +35,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from prometheus_client import Counter
 from tokenizers import Tokenizer
 
-from smart_epp.epp.types import LLMRequest, PodState
+from ..framework.scheduling import PromptTokenizer
+from ..framework.types import LLMRequest, PodState
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +99,6 @@ def _segment_weight(text: str, ids: TokenArray) -> int:
 
 def _pack(ids: Sequence[int]) -> TokenArray:
     return array("I", ids)
-
-
-class PromptTokenizer(Protocol):
-    async def tokenize(self, request: LLMRequest, pods: Sequence[PodState]) -> list[int] | None:
-        """The prompt's token ids as the pods will see them, or None when unavailable."""
-        ...
 
 
 def request_cache_key(request: LLMRequest) -> bytes | None:

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from smart_epp.epp.scheduler_api import Scheduler
-from smart_epp.epp.types import Decision, LLMRequest, PodState, Usage
+from ..framework.lifecycle import FlowRequest, OutcomeObserver, RoutedObserver
+from ..framework.types import Outcome
 
 log = logging.getLogger(__name__)
 
 RECORDED_VERSION = 1
-MAX_OPEN_REQUESTS = 100_000  # arrivals awaiting their response; oldest dropped beyond
 
 
 def recorded_line(
@@ -57,64 +55,48 @@ def recorded_line(
     return json.dumps(row, separators=(",", ":"))
 
 
-class TrafficRecorder:
-    """A `Scheduler` wrapper that writes one recorded-traffic row per finished request.
+class TrafficRecorder(RoutedObserver, OutcomeObserver):
+    """A request-flow hook that writes one recorded-traffic row per finished request.
 
-    Timestamps are seconds since the first request, so a recording replays from 0. Rows
-    are written when responses end (in completion order); the replay sorts by timestamp.
+    Timestamps are seconds since the first request was routed, so a recording replays
+    from 0. Rows are written when responses end (in completion order); the replay sorts
+    by timestamp. What a row needs from routing time (the arrival, the token ids) is kept
+    on the request's own flow state, so the recorder holds no table of its own.
     """
 
     def __init__(
         self,
-        inner: Scheduler,
         out: IO[str],
         *,
         include_content: bool = False,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.inner = inner
         self._out = out
         self._include_content = include_content
-        self._clock = clock
         self._epoch: float | None = None
-        self._arrivals: dict[str, tuple[float, list[int] | None]] = {}
 
     @classmethod
-    def to_file(cls, inner: Scheduler, path: Path, **kwargs: Any) -> TrafficRecorder:
-        return cls(inner, path.open("a", encoding="utf-8", buffering=1), **kwargs)
+    def to_file(cls, path: Path, **kwargs: Any) -> TrafficRecorder:
+        return cls(path.open("a", encoding="utf-8", buffering=1), **kwargs)
 
-    async def schedule(self, request: LLMRequest, candidates: Sequence[PodState]) -> Decision:
-        return await self.inner.schedule(request, candidates)
-
-    def on_routed(self, request: LLMRequest, decision: Decision) -> None:
-        now = self._clock()
+    def on_routed(self, flow: FlowRequest) -> None:
         if self._epoch is None:
-            self._epoch = now
-        if len(self._arrivals) >= MAX_OPEN_REQUESTS:
-            self._arrivals.pop(next(iter(self._arrivals)))
-        tokens = decision.prompt_token_ids if self._include_content else None
-        self._arrivals[request.request_id] = (now - self._epoch, tokens)
-        self.inner.on_routed(request, decision)
+            self._epoch = flow.routed_at
+        if self._include_content and flow.decision is not None:
+            # The token ids the scheduler computed are dropped once routing is done.
+            flow.request.prompt_token_ids = flow.decision.prompt_token_ids
 
-    def on_response(
-        self,
-        request: LLMRequest,
-        address: str,
-        usage: Usage | None,
-        ttft_s: float | None,
-        ok: bool,
-    ) -> None:
-        self.inner.on_response(request, address, usage, ttft_s, ok)
-        arrival = self._arrivals.pop(request.request_id, None)
-        if arrival is None or not ok:
+    def on_outcome(self, flow: FlowRequest, outcome: Outcome) -> None:
+        if not outcome.ok or self._epoch is None:
             return
-        at, tokens = arrival
+        request = flow.request
+        usage = outcome.usage
+        at = flow.routed_at - self._epoch
         prompt_tokens = usage.prompt_tokens if usage else request.estimated_prompt_tokens()
         output_tokens = usage.completion_tokens if usage else (request.max_tokens or 0)
         content: dict[str, Any] = {}
         if self._include_content:  # recorded_line keeps the first of these that is set
             content = {
-                "prompt_token_ids": tokens,
+                "prompt_token_ids": request.prompt_token_ids,
                 "messages": request.messages,
                 "prompt": request.prompt,
             }

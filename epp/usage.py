@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from smart_epp.epp.types import Usage
+from ..framework.types import Usage
 
 
 class _Details(msgspec.Struct):

@@ -3,19 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
-from smart_epp.epp.types import Medium
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixHit:
-    """How much of a prompt one pod holds: its longest run of consecutive blocks."""
-
-    blocks: int
-    medium: Medium = "GPU"  # the slowest tier seen along the matched run
-    tokens: int = 0  # blocks x the pod's block size, when the caller knows the block size
+from ..framework.types import Medium, PrefixHit
 
 
 class BlockIndex(Protocol):

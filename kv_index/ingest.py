@@ -15,15 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from smart_epp.epp.types import Medium
-from smart_epp.kv_index.events import (
+from ..framework.types import Medium
+from .events import (
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
     BlockStored,
     EventBatch,
 )
-from smart_epp.kv_index.keys import KeyScope, extend_keys, root_key
+from .keys import KeyScope, extend_keys, root_key
 
 
 @dataclass(frozen=True, slots=True)

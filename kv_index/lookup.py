@@ -1,72 +1,133 @@
-"""Prompt -> how many of its leading tokens each candidate pod already holds."""
+"""Prompt -> how many of its leading blocks each candidate pod already holds.
+
+`IndexPrefixMatcher` is the one prefix matcher of smart-epp: the scheduler's prepare step
+asks it (live, against the memory or Redis index), and the replay asks the same object in
+virtual time.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+import logging
+from collections.abc import Callable, Mapping, Sequence
 
-from smart_epp.kv_index.api import BlockIndex, PrefixHit
-from smart_epp.kv_index.keys import KeyScope, block_keys
-from smart_epp.kv_index.memory import MemoryBlockIndex
+from ..framework.types import LLMRequest, PrefixHit
+from .api import BlockIndex
+from .keys import KeyScope, block_keys
 
+log = logging.getLogger(__name__)
 
-def _by_block_size(pods: Mapping[str, int | None]) -> dict[int, list[str]]:
-    groups: dict[int, list[str]] = {}
-    for pod, size in pods.items():
-        if size:  # a pod whose block size is unknown has published nothing yet
-            groups.setdefault(size, []).append(pod)
-    return groups
+ModelOf = Callable[[str], str | None]  # pod address -> base model its KV events are keyed by
 
 
-def _fill(
-    pods: Mapping[str, int | None],
-    groups: dict[int, list[str]],
-    found: dict[int, dict[str, PrefixHit]],
-) -> dict[str, PrefixHit]:
-    """Every pod of `pods` in the answer, 0 blocks where nothing was found."""
-    out: dict[str, PrefixHit] = {}
-    for size, members in groups.items():
-        hits = found.get(size, {})
-        for pod in members:
-            hit = hits.get(pod)
-            out[pod] = (
+class IndexPrefixMatcher:
+    """Prefix matching against a `BlockIndex` with the KV index's key recipe.
+
+    Keys depend on the block size and on the scope (base model, adapter, cache_salt), so
+    pods are grouped by (block size, base model) and keys are computed once per group —
+    normally one group for the whole pool. A pod's base model is what its KV events were
+    keyed with (`model_of`, e.g. `IngestState.model`); otherwise the request's model for
+    base-model requests, or `base_model` for adapter requests (whose `model` names the
+    adapter). Every pod asked about is in the answer, with 0 blocks when nothing matched.
+    """
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        *,
+        model_of: ModelOf | None = None,
+        base_model: str | None = None,
+    ) -> None:
+        self.index = index
+        self._pending: set[asyncio.Task[None]] = set()
+        self._model_of = model_of
+        self._base_model = base_model
+
+    def _groups(
+        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
+    ) -> list[tuple[int, list[int], list[str]]]:
+        fallback = request.model if request.adapter is None else self._base_model or request.model
+        model_of = self._model_of
+        groups: dict[tuple[int, str], list[str]] = {}
+        for address, size in block_sizes.items():
+            if not size:  # a pod whose block size is unknown has published nothing yet
+                continue
+            model = (model_of(address) if model_of is not None else None) or fallback
+            groups.setdefault((size, model), []).append(address)
+        out = []
+        for (size, model), addresses in groups.items():
+            scope = KeyScope(model, request.adapter, request.cache_salt)
+            out.append((size, block_keys(token_ids, size, scope), addresses))
+        return out
+
+    @staticmethod
+    def _fill(
+        hits: dict[str, PrefixHit],
+        found: Mapping[str, PrefixHit],
+        size: int,
+        addresses: Sequence[str],
+    ) -> None:
+        for address in addresses:
+            hit = found.get(address)
+            hits[address] = (
                 PrefixHit(blocks=hit.blocks, medium=hit.medium, tokens=hit.blocks * size)
-                if hit is not None
+                if hit is not None and hit.blocks > 0
                 else PrefixHit(blocks=0)
             )
-    for pod in pods:
-        out.setdefault(pod, PrefixHit(blocks=0))
-    return out
 
+    async def match(
+        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
+    ) -> Mapping[str, PrefixHit]:
+        hits: dict[str, PrefixHit] = {}
+        for size, keys, addresses in self._groups(token_ids, request, block_sizes):
+            found = await self.index.lookup(keys, addresses) if keys else {}
+            self._fill(hits, found, size, addresses)
+        for address in block_sizes:
+            hits.setdefault(address, PrefixHit(blocks=0))
+        return hits
 
-async def match_prefix(
-    index: BlockIndex,
-    token_ids: Sequence[int],
-    scope: KeyScope,
-    pods: Mapping[str, int | None],
-) -> dict[str, PrefixHit]:
-    """Per pod (address -> its block size), the longest cached prefix of `token_ids`.
+    def match_sync(
+        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
+    ) -> Mapping[str, PrefixHit] | None:
+        lookup_sync = getattr(self.index, "lookup_sync", None)
+        if lookup_sync is None:
+            return None
+        hits: dict[str, PrefixHit] = {}
+        for size, keys, addresses in self._groups(token_ids, request, block_sizes):
+            found = lookup_sync(keys, addresses) if keys else {}
+            self._fill(hits, found, size, addresses)
+        for address in block_sizes:
+            hits.setdefault(address, PrefixHit(blocks=0))
+        return hits
 
-    Keys are computed once per distinct block size. Every pod in `pods` is in the
-    answer; pods with an unknown block size (None/0) get 0 blocks.
-    """
-    groups = _by_block_size(pods)
-    found: dict[int, dict[str, PrefixHit]] = {}
-    for size, members in groups.items():
-        keys = block_keys(token_ids, size, scope)
-        found[size] = await index.lookup(keys, members) if keys else {}
-    return _fill(pods, groups, found)
+    def speculate(
+        self,
+        token_ids: Sequence[int],
+        request: LLMRequest,
+        address: str,
+        block_size: int,
+        ttl_s: float,
+    ) -> None:
+        """Marks the prompt's blocks as held by `address` for `ttl_s` seconds.
 
+        The pod's KV events confirm them only after its prefill; until then, a burst of
+        requests sharing the prefix would otherwise each look uncached everywhere.
+        """
+        groups = self._groups(token_ids, request, {address: block_size})
+        if not groups or not groups[0][1]:
+            return
+        keys = groups[0][1]
+        add_sync = getattr(self.index, "add_speculative_sync", None)
+        if add_sync is not None:
+            add_sync(address, keys, ttl_s)
+            return
+        task = asyncio.get_running_loop().create_task(
+            self.index.add_speculative(address, keys, ttl_s)
+        )
+        self._pending.add(task)
+        task.add_done_callback(self._speculation_done)
 
-def match_prefix_sync(
-    index: MemoryBlockIndex,
-    token_ids: Sequence[int],
-    scope: KeyScope,
-    pods: Mapping[str, int | None],
-) -> dict[str, PrefixHit]:
-    """`match_prefix` for the in-memory index without an event loop (virtual time)."""
-    groups = _by_block_size(pods)
-    found: dict[int, dict[str, PrefixHit]] = {}
-    for size, members in groups.items():
-        keys = block_keys(token_ids, size, scope)
-        found[size] = index.lookup_sync(keys, members) if keys else {}
-    return _fill(pods, groups, found)
+    def _speculation_done(self, task: asyncio.Task[None]) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("speculative index entry failed: %s", task.exception())

@@ -32,12 +32,12 @@ from typing import Any, Literal
 import zmq
 import zmq.asyncio
 
-from smart_epp.epp.types import Endpoint
-from smart_epp.kv_index import metrics
-from smart_epp.kv_index.api import BlockIndex
-from smart_epp.kv_index.ingest import IngestState
-from smart_epp.kv_index.memory import MemoryBlockIndex
-from smart_epp.kv_index.subscriber import (
+from ..framework.types import Endpoint
+from . import metrics
+from .api import BlockIndex
+from .ingest import IngestState
+from .memory import MemoryBlockIndex
+from .subscriber import (
     PodEventStream,
     ReplayClient,
     cancel_and_wait,

@@ -22,9 +22,8 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import groupby, repeat
 from operator import or_
 
-from smart_epp.epp.types import Medium
-from smart_epp.kv_index.api import PrefixHit
-from smart_epp.kv_index.ingest import medium_of
+from ..framework.types import Medium, PrefixHit
+from .ingest import medium_of
 
 DEFAULT_CAPACITY = 4_000_000  # distinct blocks
 DEFAULT_SPECULATIVE_TTL_S = 2.0

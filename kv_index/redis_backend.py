@@ -23,11 +23,10 @@ from collections.abc import Callable, Collection, Sequence
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from smart_epp.epp.types import Medium
-from smart_epp.kv_index import metrics
-from smart_epp.kv_index.api import PrefixHit
-from smart_epp.kv_index.ingest import medium_of
-from smart_epp.kv_index.memory import DEFAULT_CAPACITY, DEFAULT_SPECULATIVE_TTL_S, MemoryBlockIndex
+from ..framework.types import Medium, PrefixHit
+from . import metrics
+from .ingest import medium_of
+from .memory import DEFAULT_CAPACITY, DEFAULT_SPECULATIVE_TTL_S, MemoryBlockIndex
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from smart_epp.kv_index import metrics
-from smart_epp.kv_index.api import BlockIndex
-from smart_epp.kv_index.events import DecodeError, EventBatch, decode_batch
-from smart_epp.kv_index.ingest import ApplyResult, IngestState
-from smart_epp.kv_index.sequence import SequenceTracker, Verdict
+from . import metrics
+from .api import BlockIndex
+from .events import DecodeError, EventBatch, decode_batch
+from .ingest import ApplyResult, IngestState
+from .sequence import SequenceTracker, Verdict
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,9 @@
 """The protobuf boundary: builds and reads Envoy ext_proc messages.
 
-This is the one module that imports generated Envoy messages. Everything it hands out is
-either plain Python data or an opaque response object the server writes back unchanged.
+This is the one module that imports generated Envoy messages. `read_event` turns each
+message Envoy sends into a plain event record; the reply builders hand out opaque reply
+objects the server writes back unchanged (`describe_reply` reads one back as plain data,
+for tests and logs).
 
 Responses that do not depend on the request (the "continue" replies of the response path,
 the routing replies for a given destination) are built once and kept *serialized*: the
@@ -12,6 +14,7 @@ path neither builds nor serializes them again.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
@@ -335,3 +338,134 @@ def served_endpoint(message: ProcessingRequest) -> str | None:
         if value.WhichOneof("kind") == "string_value" and value.string_value:
             return value.string_value
     return None
+
+
+# ---------------------------------------------------------------- plain events
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHeaders:
+    headers: dict[str, str]
+    end_of_stream: bool
+    subset: list[str] | None  # the subset hint, when the gateway sent one
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBody:
+    chunk: bytes
+    end_of_stream: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTrailers:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseHeaders:
+    headers: dict[str, str]
+    end_of_stream: bool
+    served: str | None  # the endpoint that answered, when Envoy reports it
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseBody:
+    chunk: bytes
+    end_of_stream: bool
+    # Only read from a response's first message (see `read_event`).
+    status: int | None = None
+    served: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseTrailers:
+    pass
+
+
+Event = (
+    RequestHeaders | RequestBody | RequestTrailers | ResponseHeaders | ResponseBody
+    | ResponseTrailers
+)  # fmt: skip
+_REQUEST_TRAILERS = RequestTrailers()
+_RESPONSE_TRAILERS = ResponseTrailers()
+
+
+def read_event(message: ProcessingRequest, *, response_started: bool = True) -> Event | None:
+    """The plain event of one ProcessingRequest (None for a kind this gateway ignores).
+
+    `response_started=False` marks the first message of the response path: only then are
+    the served endpoint and the status read from its metadata and attributes.
+    """
+    kind = message.WhichOneof("request")
+    if kind == "request_body":
+        body = message.request_body
+        return RequestBody(body.body, body.end_of_stream)
+    if kind == "response_body":
+        body = message.response_body
+        if response_started:
+            return ResponseBody(body.body, body.end_of_stream)
+        return ResponseBody(
+            body.body, body.end_of_stream, response_code(message), served_endpoint(message)
+        )
+    if kind == "request_headers":
+        http = message.request_headers
+        return RequestHeaders(headers_of(http), http.end_of_stream, subset_hint(message))
+    if kind == "response_headers":
+        http = message.response_headers
+        return ResponseHeaders(headers_of(http), http.end_of_stream, served_endpoint(message))
+    if kind == "request_trailers":
+        return _REQUEST_TRAILERS
+    if kind == "response_trailers":
+        return _RESPONSE_TRAILERS
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyView:
+    """A reply read back as plain data."""
+
+    kind: str  # request_headers, request_body, response_body, immediate_response, ...
+    destination: str | None = None  # the x-gateway-destination-endpoint it sets
+    metadata_destination: str | None = None  # the same in envoy.lb dynamic metadata
+    set_headers: tuple[tuple[str, str], ...] = ()
+    status: int | None = None  # immediate responses
+    body: bytes = b""  # immediate response body, or a streamed chunk
+    end_of_stream: bool = False
+
+
+def describe_reply(reply: Reply) -> ReplyView:
+    message = (
+        reply
+        if isinstance(reply, ep.ProcessingResponse)
+        else ep.ProcessingResponse.FromString(reply)
+    )
+    kind = message.WhichOneof("response") or ""
+    if kind == "immediate_response":
+        immediate = message.immediate_response
+        headers = tuple(
+            (h.header.key, h.header.raw_value.decode() or h.header.value)
+            for h in immediate.headers.set_headers
+        )
+        return ReplyView(
+            kind, set_headers=headers, status=immediate.status.code, body=immediate.body
+        )
+    part = getattr(message, kind)
+    common = part.response
+    headers = tuple(
+        (h.header.key, h.header.raw_value.decode() or h.header.value)
+        for h in common.header_mutation.set_headers
+    )
+    destination = dict(headers).get(DESTINATION_HEADER)
+    lb = message.dynamic_metadata.fields.get(LB_NAMESPACE)
+    meta = None
+    if lb is not None and DESTINATION_HEADER in lb.struct_value.fields:
+        meta = lb.struct_value.fields[DESTINATION_HEADER].string_value
+    streamed = common.body_mutation.streamed_response
+    return ReplyView(
+        kind,
+        destination=destination,
+        metadata_destination=meta,
+        set_headers=headers,
+        body=streamed.body,
+        end_of_stream=streamed.end_of_stream,
+    )

@@ -1,6 +1,6 @@
 """Imports every built-in plugin module so each registers its type name."""
 
-from smart_epp.scorers import (  # noqa: F401
+from . import (  # noqa: F401
     kv_cache_utilization_scorer,
     label_selector_filter,
     load_aware_scorer,

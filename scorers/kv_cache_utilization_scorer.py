@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from smart_epp.epp.config import register_plugin
-from smart_epp.epp.types import PodState
-from smart_epp.scorers.base import SchedulingContext, Scorer
+from ..framework.plugins import SchedulingContext, Scorer
+from ..framework.registry import register_plugin
+from ..framework.types import PodState
 
 
 @register_plugin()

@@ -14,9 +14,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from smart_epp.epp.config import register_plugin
-from smart_epp.epp.types import PodState
-from smart_epp.scorers.base import Filter, PluginParams, SchedulingContext
+from ..framework.plugins import Filter, PluginParams, SchedulingContext
+from ..framework.registry import register_plugin
+from ..framework.types import PodState
 
 
 def keep_labelled(

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from smart_epp.epp.config import register_plugin
-from smart_epp.epp.tokenization import DEFAULT_CACHE_BYTES
-from smart_epp.scorers.base import Plugin, PluginParams
+from ..epp.tokenization import DEFAULT_CACHE_BYTES
+from ..framework.plugins import Plugin, PluginParams
+from ..framework.registry import register_plugin
 
 
 class LocalTokenizerParams(PluginParams):

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from smart_epp.epp.config import register_plugin
-from smart_epp.epp.types import PodState
-from smart_epp.scorers.base import Filter, PluginParams, SchedulingContext
-from smart_epp.scorers.lora_affinity_scorer import adapter_active, adapter_slot_free
+from ..framework.plugins import Filter, PluginParams, SchedulingContext
+from ..framework.registry import register_plugin
+from ..framework.types import PodState
+from .lora_affinity_scorer import adapter_active, adapter_slot_free
 
 
 class LoraAffinityFilterParams(PluginParams):

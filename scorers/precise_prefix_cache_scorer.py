@@ -15,9 +15,9 @@ from typing import Any
 
 from pydantic import Field
 
-from smart_epp.epp.config import register_plugin
-from smart_epp.epp.types import PodState
-from smart_epp.scorers.base import PluginParams, SchedulingContext, Scorer
+from ..framework.plugins import PluginParams, SchedulingContext, Scorer
+from ..framework.registry import register_plugin
+from ..framework.types import PodState
 
 
 class PrecisePrefixParams(PluginParams):

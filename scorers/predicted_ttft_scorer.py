@@ -50,19 +50,24 @@ Score = min_cost / cost, so the best pod scores 1 and the plugin mixes with othe
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pydantic import Field
 
-from smart_epp.epp.config import register_plugin
-from smart_epp.epp.types import PodState, Usage
-from smart_epp.scorers.base import PluginParams, SchedulingContext, Scorer
-from smart_epp.scorers.lora_affinity_scorer import adapter_active, adapter_slot_free
+from ..framework.plugins import (
+    OutcomeHook,
+    PluginParams,
+    RoutingHook,
+    SchedulingContext,
+    Scorer,
+)
+from ..framework.registry import register_plugin
+from ..framework.types import Outcome, PodState
+from .lora_affinity_scorer import adapter_active, adapter_slot_free
 
 SCRATCH_KEY = "predicted-ttft-scorer"
-MAX_PENDING = 200_000  # requests awaiting their response; oldest dropped beyond this
 
 
 class PredictedTTFTParams(PluginParams):
@@ -255,7 +260,7 @@ def robust_rate(samples: Sequence[float], prior: float, band: float, trust_after
 
 
 @register_plugin()
-class PredictedTTFTScorer(Scorer):
+class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook):
     type_name = "predicted-ttft-scorer"
     Params = PredictedTTFTParams
     params: PredictedTTFTParams
@@ -265,7 +270,6 @@ class PredictedTTFTScorer(Scorer):
     def __init__(self, name: str, params: PredictedTTFTParams) -> None:
         super().__init__(name, params)
         self.pods: dict[str, PodModel] = {}
-        self._pending: OrderedDict[str, Routed] = OrderedDict()
         self.mean_uncached_tokens = params.meanPromptTokens
         self.mean_prompt_tokens = params.meanPromptTokens
         self.mean_output_tokens = params.meanOutputTokens
@@ -485,7 +489,7 @@ class PredictedTTFTScorer(Scorer):
             self.mean_uncached_tokens, max(1.0, prediction.uncached[i]), alpha
         )
         self.mean_prompt_tokens = _ewma(self.mean_prompt_tokens, float(ctx.prompt_tokens), alpha)
-        self._pending[ctx.request.request_id] = Routed(
+        ctx.kept[SCRATCH_KEY] = Routed(
             address,
             prediction.work[i],
             ctx.now,
@@ -493,21 +497,13 @@ class PredictedTTFTScorer(Scorer):
             learnable=prediction.learnable[i],
             chunk_keys=prediction.chunk_keys,
         )
-        while len(self._pending) > MAX_PENDING:
-            self._pending.popitem(last=False)
 
-    def on_response(
-        self,
-        ctx: SchedulingContext,
-        address: str,
-        usage: Usage | None,
-        ttft_s: float | None,
-        ok: bool,
-        now: float,
-    ) -> None:
-        routed = self._pending.pop(ctx.request.request_id, None)
-        if routed is None or routed.address != address:
+    def on_outcome(self, ctx: SchedulingContext, outcome: Outcome) -> None:
+        routed = ctx.kept.pop(SCRATCH_KEY, None)
+        address = outcome.address
+        if not isinstance(routed, Routed) or routed.address != address:
             return
+        usage, ttft_s, ok, now = outcome.usage, outcome.ttft_s, outcome.ok, outcome.now
         self.routed_prefixes.release(routed.chunk_keys, address)
         p = self.params
         model = self.pods.get(address)

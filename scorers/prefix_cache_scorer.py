@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import xxhash
 from pydantic import Field, model_validator
 
-from smart_epp.epp.config import register_plugin
-from smart_epp.epp.types import LLMRequest, PodState
-from smart_epp.scorers.base import PluginParams, SchedulingContext, Scorer
+from ..framework.plugins import PluginParams, RoutingHook, SchedulingContext, Scorer
+from ..framework.registry import register_plugin
+from ..framework.types import LLMRequest, PodState
 
 SCRATCH_KEY = "prefix-cache-scorer.hashes"
 
@@ -52,7 +52,7 @@ def prompt_block_hashes(request: LLMRequest, block_chars: int, max_blocks: int) 
 
 
 @register_plugin()
-class PrefixCacheScorer(Scorer):
+class PrefixCacheScorer(Scorer, RoutingHook):
     type_name = "prefix-cache-scorer"
     Params = PrefixCacheParams
     params: PrefixCacheParams

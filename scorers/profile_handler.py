@@ -6,8 +6,8 @@ with), which is what this handler does in the Inference Extension.
 
 from __future__ import annotations
 
-from smart_epp.epp.config import register_plugin
-from smart_epp.scorers.base import ProfileHandler
+from ..framework.plugins import ProfileHandler
+from ..framework.registry import register_plugin
 
 
 @register_plugin()

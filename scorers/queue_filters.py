@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from smart_epp.epp.config import register_plugin
-from smart_epp.epp.types import PodState
-from smart_epp.scorers.base import Filter, PluginParams, SchedulingContext
+from ..framework.plugins import Filter, PluginParams, SchedulingContext
+from ..framework.registry import register_plugin
+from ..framework.types import PodState
 
 
 class LowQueueParams(PluginParams):

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from smart_epp.epp.config import register_plugin
-from smart_epp.epp.types import PodState
-from smart_epp.scorers.base import Picker, PluginParams, SchedulingContext
+from ..framework.plugins import Picker, PluginParams, SchedulingContext
+from ..framework.registry import register_plugin
+from ..framework.types import PodState
 
 
 class RandomPickerParams(PluginParams):

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from smart_epp.epp.config import register_plugin
-from smart_epp.epp.types import PodState
-from smart_epp.scorers.base import Filter, PluginParams, SchedulingContext
-from smart_epp.scorers.label_selector_filter import keep_labelled
+from ..framework.plugins import Filter, PluginParams, SchedulingContext
+from ..framework.registry import register_plugin
+from ..framework.types import PodState
+from .label_selector_filter import keep_labelled
 
 ROLE_LABEL = "llm-d.ai/role"
 BOTH = "both"

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from smart_epp.epp.config import register_plugin
-from smart_epp.epp.types import PodState
-from smart_epp.scorers.base import PluginParams, SchedulingContext, Scorer
+from ..framework.plugins import PluginParams, RoutingHook, SchedulingContext, Scorer
+from ..framework.registry import register_plugin
+from ..framework.types import PodState
 
 
 class SessionAffinityParams(PluginParams):
@@ -22,7 +22,7 @@ class SessionAffinityParams(PluginParams):
 
 
 @register_plugin()
-class SessionAffinityScorer(Scorer):
+class SessionAffinityScorer(Scorer, RoutingHook):
     type_name = "session-affinity-scorer"
     Params = SessionAffinityParams
     params: SessionAffinityParams

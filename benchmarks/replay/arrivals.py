@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
-from smart_epp.benchmarks.replay.traces import TraceRequest
+from .traces import TraceRequest
 
 
 @dataclass(frozen=True, slots=True)

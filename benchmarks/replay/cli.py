@@ -14,7 +14,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from smart_epp.benchmarks.replay.arrivals import (
+from ..sim.profiles import DEFAULT_PROFILE, PROFILES
+from .arrivals import (
     Stage,
     ladder_arrivals,
     parse_ladder,
@@ -22,8 +23,8 @@ from smart_epp.benchmarks.replay.arrivals import (
     scaled_arrivals,
     stage_times,
 )
-from smart_epp.benchmarks.replay.live import LiveOptions, run_live
-from smart_epp.benchmarks.replay.policies.registry import (
+from .live import LiveOptions, run_live
+from .policies.registry import (
     ALL_POLICIES,
     PolicyContext,
     UnknownPolicy,
@@ -31,7 +32,7 @@ from smart_epp.benchmarks.replay.policies.registry import (
     known_policy,
     policy_label,
 )
-from smart_epp.benchmarks.replay.report import (
+from .report import (
     PolicySummary,
     RequestResult,
     plot_ladder,
@@ -43,15 +44,14 @@ from smart_epp.benchmarks.replay.report import (
     summarize,
     write_json,
 )
-from smart_epp.benchmarks.replay.sim import SimConfig, SimPool, Simulation, pod_address
-from smart_epp.benchmarks.replay.traces import (
+from .sim import SimConfig, SimPool, Simulation, pod_address
+from .traces import (
     TRACE_FORMATS,
     TraceError,
     TraceRequest,
     infinite_cache_hit_rate,
     load_trace,
 )
-from smart_epp.benchmarks.sim.profiles import DEFAULT_PROFILE, PROFILES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -152,8 +152,12 @@ def simulate_policy(
     config: SimConfig,
     seed: int,
     progress: Progress | None = None,
+    hooks: Sequence[object] = (),
 ) -> list[RequestResult]:
-    """One policy over the whole workload on a fresh pool; deterministic for a seed."""
+    """One policy over the whole workload on a fresh pool; deterministic for a seed.
+
+    `hooks` are request-lifecycle hooks registered on the simulation's request flow,
+    exactly as `epp serve` registers its own."""
     pool = SimPool.build(config)
     clock_box: list[Simulation] = []
     ctx = PolicyContext(pool, lambda: clock_box[0].now if clock_box else 0.0, seed, config.model)
@@ -164,7 +168,7 @@ def simulate_policy(
         if progress is not None and task is not None:
             progress.advance(task)
 
-    sim = Simulation(config, policy, pool, on_request_done=done)
+    sim = Simulation(config, policy, pool, on_request_done=done, hooks=hooks)
     clock_box.append(sim)
     return asyncio.run(sim.run(workload.requests, workload.arrivals, workload.stage_of()))
 

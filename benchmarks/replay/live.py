@@ -16,8 +16,8 @@ from typing import Any
 
 import aiohttp
 
-from smart_epp.benchmarks.replay.report import RequestResult
-from smart_epp.benchmarks.replay.traces import TraceRequest
+from .report import RequestResult
+from .traces import TraceRequest
 
 # Response headers that name the pod which served the request, first match wins.
 SERVED_BY_HEADERS = ("x-gateway-destination-endpoint-served", "x-served-by", "x-pod-address")

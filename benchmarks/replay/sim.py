@@ -1,11 +1,13 @@
 """Discrete-event replay in virtual time: N simulated vLLM engines behind one router.
 
-The router is any `Scheduler` (smart-epp's real one, a peer policy, or the oracle). It
-learns about the pods only the way a gateway does in production:
+The router is any `Scheduler` (smart-epp's real one, a peer policy, or the oracle), driven
+through the gateway's own `RequestFlow` on the simulation's virtual clock: candidates,
+in-flight accounting, the routed and outcome hooks are production code. It learns about
+the pods only the way a gateway does in production:
 - from KV-event batches each engine publishes after a step, encoded to msgpack by the
   simulator and decoded by smart-epp's real decoder, delivered `kv_event_delay_s` later;
 - from metrics snapshots taken every `scrape_interval_s`;
-- from its own bookkeeping of the requests it has in flight per pod.
+- from its own bookkeeping of the requests it has in flight per pod (the flow's).
 Only the explicit oracle reads the engines directly.
 
 Nothing reads a clock or an unseeded random source, so a seed fixes the result.
@@ -20,9 +22,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from smart_epp.benchmarks.replay.report import RequestResult
-from smart_epp.benchmarks.replay.traces import DEFAULT_MODEL, TraceRequest
-from smart_epp.benchmarks.sim.engine import (
+from ...epp.datastore import Datastore
+from ...epp.errors import RequestError
+from ...epp.flow import RequestFlow
+from ...framework.lifecycle import FlowRequest
+from ...framework.scheduling import Scheduler
+from ...framework.types import Api, Endpoint, LLMRequest, PodMetrics, PodState, Usage
+from ..sim.engine import (
     EngineConfig,
     EngineMetrics,
     RequestRejected,
@@ -30,10 +36,10 @@ from smart_epp.benchmarks.sim.engine import (
     SimRequest,
     StepOutcome,
 )
-from smart_epp.benchmarks.sim.kv_events import encode_batch
-from smart_epp.benchmarks.sim.profiles import DEFAULT_PROFILE, get_profile
-from smart_epp.epp.scheduler_api import Scheduler
-from smart_epp.epp.types import Api, Endpoint, LLMRequest, PodMetrics, PodState, Usage
+from ..sim.kv_events import encode_batch
+from ..sim.profiles import DEFAULT_PROFILE, get_profile
+from .report import RequestResult
+from .traces import DEFAULT_MODEL, TraceRequest
 
 # Receives one pod's KV-event message (pod address, sequence number, msgpack payload).
 KVEventSink = Callable[[str, int, bytes], Awaitable[None]]
@@ -67,7 +73,7 @@ def pod_address(i: int) -> str:
 @dataclass(slots=True)
 class _Tracked:
     req: TraceRequest
-    llm: LLMRequest
+    flow: FlowRequest
     result: RequestResult
     arrival: float
     first_token_at: float | None = None
@@ -79,7 +85,7 @@ class SimPool:
 
     config: SimConfig
     engines: dict[str, SimEngine] = field(default_factory=dict)
-    states: dict[str, PodState] = field(default_factory=dict)
+    datastore: Datastore = field(default_factory=Datastore)
 
     @classmethod
     def build(cls, config: SimConfig) -> SimPool:
@@ -96,15 +102,19 @@ class SimPool:
                     hash_seed="replay",
                 )
             )
-            pool.states[address] = PodState(
-                endpoint=Endpoint(address=address),
-                metrics=PodMetrics(block_size=config.block_size),
-            )
+        pool.datastore.set_endpoints(Endpoint(address=address) for address in pool.engines)
+        for pod in pool.datastore.pods():
+            pod.metrics.block_size = config.block_size
         return pool
+
+    def state(self, address: str) -> PodState:
+        pod = self.datastore.get(address)
+        assert pod is not None, address
+        return pod
 
     def scrape(self, now: float) -> None:
         for address, engine in self.engines.items():
-            _copy_metrics(engine.snapshot_metrics(), engine, self.states[address].metrics, now)
+            _copy_metrics(engine.snapshot_metrics(), engine, self.state(address).metrics, now)
 
 
 def _copy_metrics(m: EngineMetrics, engine: SimEngine, out: PodMetrics, now: float) -> None:
@@ -154,11 +164,15 @@ class Simulation:
         policy: RoutedPolicy,
         pool: SimPool | None = None,
         on_request_done: Callable[[RequestResult], None] | None = None,
+        hooks: Sequence[object] = (),
     ) -> None:
         self.config = config
         self.policy = policy
         self.pool = pool or SimPool.build(config)
         self.now = 0.0
+        self.flow = RequestFlow(
+            policy.scheduler, self.pool.datastore, clock=self._clock, hooks=hooks
+        )
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._busy: dict[str, bool] = dict.fromkeys(self.pool.engines, False)
@@ -166,6 +180,9 @@ class Simulation:
         self._tracked: dict[str, _Tracked] = {}
         self._pending = 0  # requests not yet finished or failed
         self._on_done = on_request_done
+
+    def _clock(self) -> float:
+        return self.now
 
     def _push(self, at: float, kind: int, data: Any) -> None:
         self._seq += 1
@@ -232,14 +249,16 @@ class Simulation:
             prompt_token_ids=req.token_ids(),
             max_tokens=req.output_tokens,
         )
-        candidates = [s for s in self.pool.states.values() if s.ready]
-        decision = await self.policy.scheduler.schedule(llm, candidates)
-        if not decision.endpoints:
-            self._fail(result, 503)
+        flow = self.flow
+        tracked = flow.start(llm)
+        try:
+            await flow.route(tracked)
+        except RequestError as error:
+            self._fail(result, error.status)
             return
-        chosen = decision.endpoints[0]
-        address = chosen.address
-        self.policy.scheduler.on_routed(llm, decision)
+        flow.routed(tracked)
+        address = tracked.served
+        assert address is not None
         result.pod = address
         engine = self.pool.engines[address]
         sim_req = SimRequest(
@@ -250,13 +269,10 @@ class Simulation:
         try:
             engine.add_request(sim_req, self.now)
         except RequestRejected:
+            flow.finish(tracked, ok=False, status=400)
             self._fail(result, 400)
-            self.policy.scheduler.on_response(llm, address, None, None, False)
             return
-        inflight = chosen.inflight
-        inflight.requests += 1
-        inflight.prompt_tokens += req.input_tokens
-        self._tracked[llm.request_id] = _Tracked(req, llm, result, self.now)
+        self._tracked[llm.request_id] = _Tracked(req, tracked, result, self.now)
         if not self._busy[address]:
             self._busy[address] = True
             self._push(self.now, _STEP_START, address)
@@ -296,7 +312,6 @@ class Simulation:
 
     def _finish_step(self, address: str, outcome: StepOutcome) -> None:
         self._publish(address, outcome)
-        state = self.pool.states[address]
         for p in outcome.progress:
             t = self._tracked.get(p.request_id)
             if t is None:
@@ -304,14 +319,13 @@ class Simulation:
             if p.first_token:
                 t.first_token_at = outcome.end
                 t.result.cached_tokens = p.num_cached_tokens
+                self.flow.first_byte(t.flow)
             if p.finished:
                 del self._tracked[p.request_id]
-                self._complete(t, state, outcome.end, p.num_prompt_tokens, p.num_cached_tokens)
+                self._complete(t, outcome.end, p.num_prompt_tokens, p.num_cached_tokens)
         self._start_step(address)
 
-    def _complete(
-        self, t: _Tracked, state: PodState, end: float, prompt_tokens: int, cached: int
-    ) -> None:
+    def _complete(self, t: _Tracked, end: float, prompt_tokens: int, cached: int) -> None:
         r = t.result
         r.ok = True
         r.status = 200
@@ -320,13 +334,10 @@ class Simulation:
         r.output_tokens = t.req.output_tokens
         r.prompt_tokens = prompt_tokens
         r.cached_tokens = cached
-        inflight = state.inflight
-        inflight.requests -= 1
-        inflight.prompt_tokens -= t.req.input_tokens
         self._pending -= 1
         usage = Usage(
             prompt_tokens=prompt_tokens, completion_tokens=r.output_tokens, cached_tokens=cached
         )
-        self.policy.scheduler.on_response(t.llm, state.address, usage, r.ttft_s, True)
+        self.flow.finish(t.flow, ok=True, status=200, usage=usage)
         if self._on_done is not None:
             self._on_done(r)

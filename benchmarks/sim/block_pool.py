@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from smart_epp.benchmarks.sim.events import BlockRemoved
+from .events import BlockRemoved
 
 
 class BlockPool:

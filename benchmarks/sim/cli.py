@@ -9,8 +9,8 @@ import signal
 import sys
 from typing import Any
 
-from smart_epp.benchmarks.sim.profiles import DEFAULT_PROFILE, PROFILES
-from smart_epp.benchmarks.sim.vllm_hash import HASH_ALGOS
+from .profiles import DEFAULT_PROFILE, PROFILES
+from .vllm_hash import HASH_ALGOS
 
 
 def register(subparsers: Any) -> None:
@@ -97,7 +97,7 @@ def pool_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def serve(pods: int, kwargs: dict[str, Any]) -> None:
-    from smart_epp.benchmarks.sim.pool import run_pool
+    from .pool import run_pool
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -27,16 +27,16 @@ from array import array
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from smart_epp.benchmarks.sim.block_pool import BlockPool
-from smart_epp.benchmarks.sim.events import AllBlocksCleared, BlockStored, KVEvent
-from smart_epp.benchmarks.sim.histogram import (
+from .block_pool import BlockPool
+from .events import AllBlocksCleared, BlockStored, KVEvent
+from .histogram import (
     ITL_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
     TTFT_BUCKETS,
     Histogram,
 )
-from smart_epp.benchmarks.sim.profiles import DEFAULT_PROFILE, LatencyProfile, get_profile
-from smart_epp.benchmarks.sim.vllm_hash import BlockHasher, HashAlgo, lora_extra_keys, published_id
+from .profiles import DEFAULT_PROFILE, LatencyProfile, get_profile
+from .vllm_hash import BlockHasher, HashAlgo, lora_extra_keys, published_id
 
 # published_id, bound once: it runs for every stored block.
 _from_bytes = int.from_bytes

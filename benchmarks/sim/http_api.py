@@ -16,9 +16,9 @@ from typing import Any
 
 from aiohttp import web
 
-from smart_epp.benchmarks.sim.engine import RequestProgress, RequestRejected, SimRequest
-from smart_epp.benchmarks.sim.pod import SimPod
-from smart_epp.benchmarks.sim.prom import CONTENT_TYPE
+from .engine import RequestProgress, RequestRejected, SimRequest
+from .pod import SimPod
+from .prom import CONTENT_TYPE
 
 SYSTEM_FINGERPRINT = "vllm-0.32.0-sim"
 _dumps: Callable[[Any], str] = json.JSONEncoder(separators=(",", ":")).encode

@@ -25,7 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from smart_epp.benchmarks.sim.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger(__name__)
 

@@ -15,15 +15,15 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from smart_epp.benchmarks.sim.engine import (
+from .engine import (
     EngineConfig,
     RequestProgress,
     SimEngine,
     SimRequest,
 )
-from smart_epp.benchmarks.sim.kv_events import Encoding, KVEventPublisher
-from smart_epp.benchmarks.sim.prom import LoraInfoMode, PodMetrics
-from smart_epp.benchmarks.sim.tokenizer import PromptTokenizer, load_tokenizer
+from .kv_events import Encoding, KVEventPublisher
+from .prom import LoraInfoMode, PodMetrics
+from .tokenizer import PromptTokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 _MIN_SLEEP_S = 0.002

@@ -25,12 +25,12 @@ from typing import Any
 
 from aiohttp import web
 
-from smart_epp.benchmarks.sim.engine import EngineConfig
-from smart_epp.benchmarks.sim.http_api import SimApi
-from smart_epp.benchmarks.sim.pod import PodConfig, SimPod
-from smart_epp.benchmarks.sim.profiles import LatencyProfile, get_profile
-from smart_epp.benchmarks.sim.tokenizer import PromptTokenizer, load_tokenizer
-from smart_epp.epp.types import Endpoint
+from ...framework.types import Endpoint
+from .engine import EngineConfig
+from .http_api import SimApi
+from .pod import PodConfig, SimPod
+from .profiles import LatencyProfile, get_profile
+from .tokenizer import PromptTokenizer, load_tokenizer
 
 _POD_FIELDS = {f.name for f in dataclasses.fields(PodConfig)} - {"port", "engine"}
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}

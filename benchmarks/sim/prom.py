@@ -22,8 +22,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from smart_epp.benchmarks.sim.engine import FINISH_REASONS, EngineMetrics, SimEngine
-from smart_epp.benchmarks.sim.histogram import Histogram
+from .engine import FINISH_REASONS, EngineMetrics, SimEngine
+from .histogram import Histogram
 
 LoraInfoMode = Literal["vllm", "exact"]
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -12,8 +12,9 @@ from support.backends import EchoBackend, echo_backends
 from support.envoy import EnvoyProcess, async_running_envoy
 
 from smart_epp.epp.datastore import Datastore
+from smart_epp.epp.flow import RequestFlow
 from smart_epp.epp.server import EppServer, ServerOptions
-from smart_epp.epp.types import Decision, Endpoint, LLMRequest, PodState, Usage
+from smart_epp.framework.types import Decision, Endpoint, LLMRequest, Outcome, PodState, Usage
 
 TARGET_HEADER = "x-test-target"
 
@@ -43,10 +44,10 @@ class PickByHeader:
     def on_routed(self, request: LLMRequest, decision: Decision) -> None:
         self.routed.append((request, decision))
 
-    def on_response(
-        self, request: LLMRequest, address: str, usage: Usage | None, ttft_s: float | None, ok: bool
-    ) -> None:
-        self.finished.append(Finished(request, address, usage, ttft_s, ok))
+    def on_outcome(self, request: LLMRequest, decision: Decision, outcome: Outcome) -> None:
+        self.finished.append(
+            Finished(request, outcome.address, outcome.usage, outcome.ttft_s, outcome.ok)
+        )
 
 
 @dataclass
@@ -69,6 +70,7 @@ async def gateway(
     *,
     backends: int = 2,
     options: ServerOptions | None = None,
+    destination_count: int = 1,
     register_backends: bool = True,
     fallback_backend: int | None = None,
     **envoy_overrides: object,
@@ -78,7 +80,8 @@ async def gateway(
         if register_backends:
             datastore.set_endpoints([Endpoint(b.address) for b in pods])
         scheduler = PickByHeader()
-        server = EppServer(scheduler, datastore, options=options)
+        flow = RequestFlow(scheduler, datastore, destination_count=destination_count)
+        server = EppServer(flow, options=options)
         await server.start(grpc_port=0, health_port=0, metrics_port=0, host="127.0.0.1")
         if fallback_backend is not None:
             envoy_overrides["fallback_endpoints"] = (pods[fallback_backend].address,)

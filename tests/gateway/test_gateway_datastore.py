@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from smart_epp.epp.datastore import Datastore
-from smart_epp.epp.types import Api, Endpoint, LLMRequest
+from smart_epp.framework.types import Api, Endpoint, LLMRequest
 
 
 def request(prompt: str = "x" * 40, adapter: str | None = None) -> LLMRequest:
@@ -60,32 +60,26 @@ def test_ready_pods() -> None:
     assert [p.address for p in store.ready_pods()] == ["b:1"]
 
 
-def test_begin_end_counts_requests_tokens_and_adapters() -> None:
+def test_book_and_release_count_requests_tokens_and_adapters() -> None:
     store = Datastore()
     store.set_endpoints([Endpoint("a:1")])
     pod = store.get("a:1")
     assert pod is not None
-    r1, r2 = request(adapter="lora-a"), request("y" * 80, adapter="lora-a")
-    store.begin("a:1", r1)
-    store.begin("a:1", r2)
-    store.begin("a:1", r2)  # a second begin of the same request is ignored
+    assert store.book("a:1", 10, "lora-a")
+    assert store.book("a:1", 20, "lora-a")
     assert (pod.inflight.requests, pod.inflight.prompt_tokens) == (2, 30)
     assert pod.inflight.adapters["lora-a"] == 2
-    store.end("a:1", r1)
-    store.end("a:1", r1)  # idempotent
+    store.release("a:1", 10, "lora-a")
     assert (pod.inflight.requests, pod.inflight.prompt_tokens) == (1, 20)
-    store.end("a:1", r2)
+    store.release("a:1", 20, "lora-a")
     assert (pod.inflight.requests, pod.inflight.prompt_tokens) == (0, 0)
     assert "lora-a" not in pod.inflight.adapters
-    assert store.open_requests() == 0
 
 
-def test_end_after_the_pod_left_is_harmless() -> None:
+def test_booking_outside_the_pool_and_releasing_after_the_pod_left_are_harmless() -> None:
     store = Datastore()
     store.set_endpoints([Endpoint("a:1")])
-    r = request()
-    store.begin("a:1", r)
+    assert store.book("a:1", 5, None)
     store.set_endpoints([])
-    store.end("a:1", r)
-    store.begin("gone:1", r)
-    assert store.open_requests() == 0
+    store.release("a:1", 5, None)
+    assert not store.book("gone:1", 5, None)

@@ -15,7 +15,7 @@ from smart_epp.epp.discovery import (
     endpoints_from_addresses,
     parse_endpoints_document,
 )
-from smart_epp.epp.types import Endpoint
+from smart_epp.framework.types import Endpoint
 
 FULL = """
 endpoints:

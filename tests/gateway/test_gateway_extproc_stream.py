@@ -17,8 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from smart_epp.epp.datastore import Datastore
 from smart_epp.epp.errors import RequestError
-from smart_epp.epp.server import EppServer, ServerOptions
-from smart_epp.epp.types import Decision, Endpoint, LLMRequest, PodState
+from smart_epp.epp.flow import RequestFlow
+from smart_epp.epp.server import EppServer
+from smart_epp.framework.types import Decision, Endpoint, LLMRequest, PodState
 
 PODS = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
 FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -78,7 +79,7 @@ class Harness:
 async def harness() -> AsyncIterator[Harness]:
     datastore = Datastore()
     datastore.set_endpoints([Endpoint(a) for a in PODS])
-    server = EppServer(PickByHeader(), datastore, options=ServerOptions(destination_count=1))
+    server = EppServer(RequestFlow(PickByHeader(), datastore))
     await server.start(grpc_port=0, health_port=0, metrics_port=None, host="127.0.0.1")
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         yield Harness(server, channel)
@@ -142,7 +143,7 @@ async def test_subset_hint_with_no_known_pod_is_503(harness: Harness) -> None:
 
 
 async def test_fallback_list_when_more_than_one_endpoint_is_asked(harness: Harness) -> None:
-    harness.server.options.destination_count = 2
+    harness.server.flow.destination_count = 2
     headers = {**POST, "x-test-target": PODS[1]}
     replies = await harness.exchange([headers_message(headers), body_message(BODY)])
     header, metadata = destination_of(replies[0])
@@ -183,7 +184,7 @@ class Exploding(PickByHeader):
 
 
 async def test_scheduler_fault_is_500_and_the_server_keeps_serving(harness: Harness) -> None:
-    harness.server.scheduler = Exploding()
+    harness.server.flow.scheduler = Exploding()
     replies = await harness.exchange(
         [headers_message({**POST, "x-explode": "1"}), body_message(BODY)]
     )
@@ -194,15 +195,15 @@ async def test_scheduler_fault_is_500_and_the_server_keeps_serving(harness: Harn
     assert replies[-1].immediate_response.status.code == 429
     replies = await harness.exchange([headers_message(POST), body_message(BODY)])
     assert destination_of(replies[0])[0] == PODS[0]
-    assert harness.server.datastore.open_requests() == 0
+    assert harness.server.flow.open_requests() == 0
 
 
 async def test_stream_that_ends_early_releases_inflight(harness: Harness) -> None:
     # Decision made, then the stream ends without any response: the client went away.
     replies = await harness.exchange([headers_message(POST), body_message(BODY)])
     assert len(replies) == 2
-    assert harness.server.datastore.open_requests() == 0
-    scheduler = harness.server.scheduler
+    assert harness.server.flow.open_requests() == 0
+    scheduler = harness.server.flow.scheduler
     assert isinstance(scheduler, PickByHeader)
     assert [f.ok for f in scheduler.finished] == [False]
 

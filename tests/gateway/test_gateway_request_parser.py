@@ -8,7 +8,7 @@ import pytest
 
 from smart_epp.epp.errors import RequestError
 from smart_epp.epp.request_parser import parse_request
-from smart_epp.epp.types import Api
+from smart_epp.framework.types import Api
 
 
 def parse(path: str, document: object, **kwargs: object) -> object:

@@ -12,7 +12,7 @@ from support.backends import usage_for
 from support.net import async_wait_until
 
 from smart_epp.epp.server import ServerOptions
-from smart_epp.epp.types import Api
+from smart_epp.framework.types import Api
 
 pytestmark = pytest.mark.envoy
 
@@ -223,7 +223,7 @@ async def test_hundred_concurrent_requests_all_answered(body_mode: str) -> None:
             what="in-flight back to zero",
         )
         assert all(p.inflight.prompt_tokens == 0 for p in gw.datastore.pods())
-        assert gw.datastore.open_requests() == 0
+        assert gw.server.flow.open_requests() == 0
 
 
 async def test_inflight_counts_while_a_response_streams() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from smart_epp.epp.types import Usage
 from smart_epp.epp.usage import MAX_JSON_BYTES, UsageReader
+from smart_epp.framework.types import Usage
 
 USAGE = {"prompt_tokens": 12, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 8}}
 

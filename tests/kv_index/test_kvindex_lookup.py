@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from smart_epp.kv_index.api import PrefixHit
+from smart_epp.framework.types import Api, LLMRequest, PrefixHit
 from smart_epp.kv_index.keys import KeyScope, block_keys
-from smart_epp.kv_index.lookup import match_prefix, match_prefix_sync
+from smart_epp.kv_index.lookup import IndexPrefixMatcher
 from smart_epp.kv_index.memory import MemoryBlockIndex
 
 TOKENS = list(range(64))
@@ -17,19 +17,35 @@ def filled() -> MemoryBlockIndex:
     return idx
 
 
+def request(model: str = "m") -> LLMRequest:
+    return LLMRequest("r", "/v1/completions", Api.COMPLETIONS, model)
+
+
 async def test_pods_with_different_block_sizes() -> None:
-    pods = {"a:1": 16, "b:1": 32, "c:1": 16, "d:1": None}
-    got = await match_prefix(filled(), TOKENS, SCOPE, pods)
+    pods = {"a:1": 16, "b:1": 32, "c:1": 16, "d:1": 0}
+    matcher = IndexPrefixMatcher(filled())
+    got = await matcher.match(TOKENS, request(), pods)
     assert got == {
         "a:1": PrefixHit(4, tokens=64),
         "b:1": PrefixHit(1, tokens=32),
         "c:1": PrefixHit(1, tokens=16),
         "d:1": PrefixHit(0),
     }
-    assert match_prefix_sync(filled(), TOKENS, SCOPE, pods) == got
+    assert matcher.match_sync(TOKENS, request(), pods) == got
 
 
 async def test_other_scope_or_short_prompt_matches_nothing() -> None:
     pods = {"a:1": 16}
-    assert (await match_prefix(filled(), TOKENS, KeyScope("x"), pods))["a:1"].blocks == 0
-    assert (await match_prefix(filled(), TOKENS[:10], SCOPE, pods))["a:1"].blocks == 0
+    matcher = IndexPrefixMatcher(filled())
+    assert (await matcher.match(TOKENS, request("x"), pods))["a:1"].blocks == 0
+    assert (await matcher.match(TOKENS[:10], request(), pods))["a:1"].blocks == 0
+
+
+def test_speculative_entries_are_found_until_they_expire() -> None:
+    now = [0.0]
+    index = MemoryBlockIndex(clock=lambda: now[0])
+    matcher = IndexPrefixMatcher(index)
+    matcher.speculate(TOKENS, request(), "a:1", 16, ttl_s=1.0)
+    assert matcher.match_sync(TOKENS, request(), {"a:1": 16})["a:1"].blocks == 4
+    now[0] = 2.0
+    assert matcher.match_sync(TOKENS, request(), {"a:1": 16})["a:1"].blocks == 0

@@ -11,7 +11,7 @@ from kvindex_captures import CAPTURE_BLOCK_SIZE, frames, requests
 from kvindex_publisher import VllmKvPublisher
 from support.net import async_wait_until, free_port
 
-from smart_epp.epp.types import Endpoint
+from smart_epp.framework.types import Endpoint
 from smart_epp.kv_index import metrics
 from smart_epp.kv_index.events import BlockStored, EventBatch, encode_batch
 from smart_epp.kv_index.keys import KeyScope, block_keys

@@ -12,7 +12,7 @@ from support.net import wait_until
 from vllm_pods import BLOCK_SIZE, VllmPod, completion_body, unique_prompt
 
 from smart_epp.epp.scrape import parse_vllm_metrics
-from smart_epp.epp.types import PodMetrics
+from smart_epp.framework.types import PodMetrics
 
 pytestmark = pytest.mark.real_vllm
 

@@ -18,9 +18,8 @@ from support.paths import TINY_MODEL
 from vllm_pods import BLOCK_SIZE, SERVED_MODEL, VllmPod, completion_body, unique_prompt
 
 from smart_epp.epp.tokenization import LocalTokenizer
-from smart_epp.epp.types import Api, Endpoint, LLMRequest
-from smart_epp.kv_index.keys import KeyScope
-from smart_epp.kv_index.lookup import match_prefix
+from smart_epp.framework.types import Api, Endpoint, LLMRequest
+from smart_epp.kv_index.lookup import IndexPrefixMatcher
 from smart_epp.kv_index.manager import KVEventManager
 from smart_epp.kv_index.memory import MemoryBlockIndex
 
@@ -40,9 +39,11 @@ class Audit:
     rows: list[tuple[str, str, int, int]]  # (pod, request, predicted, reported)
 
     async def held_blocks(self, pod: VllmPod, token_ids: list[int], adapter: str | None) -> int:
-        hits = await match_prefix(
-            self.index, token_ids, KeyScope(SERVED_MODEL, adapter), {pod.config.address: BLOCK_SIZE}
+        matcher = IndexPrefixMatcher(self.index, base_model=SERVED_MODEL)
+        probe = LLMRequest(
+            "probe", "/v1/completions", Api.COMPLETIONS, SERVED_MODEL, adapter=adapter
         )
+        hits = await matcher.match(token_ids, probe, {pod.config.address: BLOCK_SIZE})
         return hits[pod.config.address].blocks
 
     async def send(

@@ -7,7 +7,7 @@ from support.paths import TINY_MODEL
 from vllm_pods import SERVED_MODEL, VllmPod, unique_prompt
 
 from smart_epp.epp.tokenization import LocalTokenizer
-from smart_epp.epp.types import Api, LLMRequest
+from smart_epp.framework.types import Api, LLMRequest
 
 pytestmark = pytest.mark.real_vllm
 

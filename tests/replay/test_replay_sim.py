@@ -16,6 +16,8 @@ from smart_epp.benchmarks.replay.traces import (
     generate_shared_prefix,
     infinite_cache_hit_rate,
 )
+from smart_epp.framework.lifecycle import FlowRequest, OutcomeObserver, RoutedObserver
+from smart_epp.framework.types import Outcome
 
 PODS = 4
 SPEC = SharedPrefixSpec(
@@ -141,3 +143,26 @@ def test_collector_settings_are_restored_after_a_simulation() -> None:
     simulate_policy("round-robin", _workload(), _config(), seed=1)
     assert gc.get_threshold() == before
     assert gc.get_freeze_count() <= frozen
+
+
+def test_the_replay_drives_the_gateways_request_flow() -> None:
+    class Seen(RoutedObserver, OutcomeObserver):
+        def __init__(self) -> None:
+            self.routed: list[str] = []
+            self.outcomes: list[tuple[str, str, bool]] = []
+
+        def on_routed(self, flow: FlowRequest) -> None:
+            self.routed.append(flow.request.request_id)
+
+        def on_outcome(self, flow: FlowRequest, outcome: Outcome) -> None:
+            self.outcomes.append((flow.request.request_id, outcome.address, outcome.ok))
+
+    wl = _workload(qps=20.0)
+    for policy in ("default", "round-robin"):
+        seen = Seen()
+        results = simulate_policy(policy, wl, _config(), seed=0, hooks=[seen])
+        ids = [f"req-{r.index}" for r in results]
+        assert sorted(seen.routed) == sorted(ids)  # every replayed request, once
+        assert sorted(rid for rid, _, _ in seen.outcomes) == sorted(ids)
+        by_id = {rid: (pod, ok) for rid, pod, ok in seen.outcomes}
+        assert all(by_id[f"req-{r.index}"] == (r.pod, r.ok) for r in results)

@@ -8,7 +8,7 @@ from itertools import count
 from aiohttp import web
 from support.net import free_port
 
-from smart_epp.epp.types import Api, Endpoint, Inflight, LLMRequest, PodMetrics, PodState
+from smart_epp.framework.types import Api, Endpoint, Inflight, LLMRequest, PodMetrics, PodState
 
 _ids = count()
 

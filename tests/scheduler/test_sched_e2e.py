@@ -18,10 +18,11 @@ from support.relays import MetricsRelay
 
 from smart_epp.benchmarks.sim.pool import PodHandle, SimPool, run_pool
 from smart_epp.epp.datastore import Datastore
+from smart_epp.epp.flow import RequestFlow
 from smart_epp.epp.scheduler import PipelineScheduler, build_scheduler
 from smart_epp.epp.scrape import MetricsScraper
 from smart_epp.epp.server import EppServer
-from smart_epp.epp.types import Api, LLMRequest
+from smart_epp.framework.types import Api, LLMRequest
 from smart_epp.kv_index.ingest import IngestState
 from smart_epp.kv_index.manager import KVEventManager
 from smart_epp.kv_index.memory import MemoryBlockIndex
@@ -105,7 +106,8 @@ async def stack(**sim_options: object) -> AsyncIterator[Stack]:
             "default", index=index, ingest_state=ingest, base_model=MODEL, seed=3
         )
         server = EppServer(
-            scheduler, datastore, adapter_resolver=lambda m: m if m in LORAS else None
+            RequestFlow(scheduler, datastore),
+            adapter_resolver=lambda m: m if m in LORAS else None,
         )
         await server.start(grpc_port=0, health_port=0, metrics_port=0, host="127.0.0.1")
         try:

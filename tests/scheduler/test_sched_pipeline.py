@@ -12,9 +12,13 @@ from sched_helpers import pod, request
 from support.paths import TINY_MODEL, VLLM_FIXTURES
 
 from smart_epp.epp.config import parse_config
-from smart_epp.epp.scheduler import IndexPrefixMatcher, build_scheduler
-from smart_epp.epp.types import Usage
+from smart_epp.epp.datastore import Datastore
+from smart_epp.epp.errors import RequestError
+from smart_epp.epp.flow import RequestFlow
+from smart_epp.epp.scheduler import build_scheduler
+from smart_epp.framework.types import Endpoint, Outcome, Usage
 from smart_epp.kv_index.keys import KeyScope, block_keys
+from smart_epp.kv_index.lookup import IndexPrefixMatcher
 from smart_epp.kv_index.memory import MemoryBlockIndex
 
 
@@ -133,7 +137,9 @@ async def test_learned_prefill_rate_steers_away_from_a_slow_pod():
             decision = await scheduler.schedule(req, [target])
             scheduler.on_routed(req, decision)
             clock.now += 10.0  # let the routed backlog drain
-            scheduler.on_response(req, address, Usage(1000, 100), ttft, ok=True)
+            scheduler.on_outcome(
+                req, decision, Outcome(address, True, 200, Usage(1000, 100), ttft, now=clock.now)
+            )
     assert scorer.pods["slow:1"].prefill_tok_per_s < scorer.pods["fast:1"].prefill_tok_per_s / 10
     assert scorer.pods["fast:1"].decode_s_per_token == pytest.approx((10.0 - 0.1) / 100)
     decision = await scheduler.schedule(request(tokens=PROMPT[:1000]), pods)
@@ -141,12 +147,18 @@ async def test_learned_prefill_rate_steers_away_from_a_slow_pod():
 
 
 async def test_unready_pods_are_never_picked_and_empty_means_503():
-    pods = [pod("a:1", ready=False), pod("b:1")]
-    scheduler = build_scheduler("gie-default", seed=0)
+    datastore = Datastore()
+    datastore.set_endpoints([Endpoint("a:1"), Endpoint("b:1")])
+    a, b = datastore.pods()
+    a.ready = False
+    flow = RequestFlow(build_scheduler("gie-default", seed=0), datastore)
     for _ in range(10):
-        assert (await scheduler.schedule(request(prompt="x"), pods)).endpoints[0].address == "b:1"
-    pods[1].ready = False
-    assert (await scheduler.schedule(request(prompt="x"), pods)).endpoints == []
+        chosen = await flow.route(flow.start(request(prompt="x")))
+        assert chosen[0].address == "b:1"
+    b.ready = False
+    with pytest.raises(RequestError) as refused:
+        await flow.route(flow.start(request(prompt="x")))
+    assert refused.value.status == 503
 
 
 async def test_fallbacks_follow_the_primary_by_score():

@@ -9,9 +9,8 @@ import pytest
 from sched_helpers import pod, request
 
 from smart_epp.epp.config import plugin_types
-from smart_epp.epp.types import LLMRequest, PodState
-from smart_epp.kv_index.api import PrefixHit
-from smart_epp.scorers.base import Plugin, SchedulingContext
+from smart_epp.framework.plugins import Plugin, SchedulingContext
+from smart_epp.framework.types import LLMRequest, PodState, PrefixHit
 
 
 def make(type_name: str, **params) -> Plugin:

@@ -8,9 +8,8 @@ import pytest
 from sched_helpers import pod, request
 
 from smart_epp.epp.config import plugin_types
-from smart_epp.epp.types import Usage
-from smart_epp.kv_index.api import PrefixHit
-from smart_epp.scorers.base import SchedulingContext
+from smart_epp.framework.plugins import SchedulingContext
+from smart_epp.framework.types import Outcome, PrefixHit, Usage
 from smart_epp.scorers.predicted_ttft_scorer import (
     PredictedTTFTScorer,
     reusable_tokens,
@@ -96,7 +95,7 @@ def test_completed_requests_come_off_a_scrape_taken_before_they_ended():
     first = ctx(100, now=99.95)
     s.score(first, [a])
     s.on_routed(first, a)
-    s.on_response(first, "a:1", None, None, True, now=99.99)  # ended after the scrape
+    s.on_outcome(first, Outcome("a:1", True, 200, None, None, now=99.99))  # ended after the scrape
     c = ctx(100, now=100.0)
     s.score(c, [a])
     # One of the two scraped waiting requests was ours and has ended.
@@ -120,7 +119,9 @@ def learn(s: PredictedTTFTScorer, target, tokens: int, ttft: float, now: float, 
     c = ctx(tokens, now=now, **kw)
     s.score(c, [target])
     s.on_routed(c, target)
-    s.on_response(c, target.address, Usage(tokens, 10), ttft, True, now=now + ttft + 1.0)
+    s.on_outcome(
+        c, Outcome(target.address, True, 200, Usage(tokens, 10), ttft, now=now + ttft + 1.0)
+    )
 
 
 def test_prefill_rate_is_learned_only_from_requests_that_met_a_short_queue():
@@ -218,7 +219,7 @@ def test_prefixes_in_flight_count_as_held_until_answered_or_expired():
     s.score(other, [a, b])
     assert other.components["b:1"]["hit_tokens"] == 0
     # Once answered, the KV index is the authority again.
-    s.on_response(first, "b:1", None, None, True, now=101.0)
+    s.on_outcome(first, Outcome("b:1", True, 200, None, None, now=101.0))
     after = ctx(1000, now=101.0)
     s.score(after, [a, b])
     assert after.components["b:1"]["hit_tokens"] == 0

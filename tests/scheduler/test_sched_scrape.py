@@ -14,7 +14,7 @@ from support.paths import VLLM_FIXTURES
 
 from smart_epp.epp.datastore import Datastore
 from smart_epp.epp.scrape import MetricsParseError, MetricsScraper, parse_vllm_metrics
-from smart_epp.epp.types import Endpoint
+from smart_epp.framework.types import Endpoint
 
 
 def fixture(name: str) -> str:

@@ -11,7 +11,7 @@ from sched_helpers import LocalHTTPServer, pod, request
 from support.paths import TINY_MODEL, VLLM_FIXTURES
 
 from smart_epp.epp.tokenization import LocalTokenizer, PodTokenizer, TokenizerRouter
-from smart_epp.epp.types import LLMRequest
+from smart_epp.framework.types import LLMRequest
 
 
 def recorded_requests() -> list[dict]:

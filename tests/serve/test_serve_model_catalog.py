@@ -18,8 +18,14 @@ from smart_epp.epp.model_catalog import (
     ServedModels,
     parse_models,
 )
-from smart_epp.epp.model_routing import ServedModelScheduler
-from smart_epp.epp.types import Api, Decision, Endpoint, LLMRequest, PodMetrics, PodState, Usage
+from smart_epp.epp.model_routing import ServedModelFilter
+from smart_epp.framework.types import (
+    Api,
+    Endpoint,
+    LLMRequest,
+    PodMetrics,
+    PodState,
+)
 
 
 def test_vllm_model_list_gives_base_model_and_adapters_with_parent() -> None:
@@ -73,43 +79,24 @@ def test_resolution_and_servers() -> None:
     assert catalog.servers("a") == set()
 
 
-class _Recorder:
-    def __init__(self) -> None:
-        self.seen: list[list[str]] = []
-
-    async def schedule(self, request: LLMRequest, candidates: Sequence[PodState]) -> Decision:
-        self.seen.append([p.address for p in candidates])
-        return Decision(endpoints=list(candidates))
-
-    def on_routed(self, request: LLMRequest, decision: Decision) -> None:
-        pass
-
-    def on_response(
-        self, request: LLMRequest, address: str, usage: Usage | None, ttft: float | None, ok: bool
-    ) -> None:
-        pass
-
-
-async def test_candidates_are_narrowed_to_the_pods_serving_the_model() -> None:
+def test_candidates_are_narrowed_to_the_pods_serving_the_model() -> None:
     pods = [_pod("10.0.0.1:8000"), _pod("10.0.0.2:8000")]
     catalog = ModelCatalog(lambda: pods)
-    inner = _Recorder()
-    scheduler = ServedModelScheduler(inner, catalog)
+    served = ServedModelFilter(catalog)
 
     def request(model: str, adapter: str | None = None) -> LLMRequest:
         return LLMRequest("r", "/v1/completions", Api.COMPLETIONS, model, adapter=adapter)
 
-    await scheduler.schedule(request("x"), pods)
-    assert inner.seen[-1] == ["10.0.0.1:8000", "10.0.0.2:8000"]  # nothing known: all
+    def kept(req: LLMRequest, candidates: list[PodState]) -> list[str]:
+        return [p.address for p in served.candidates(req, candidates)]
+
+    assert kept(request("x"), pods) == ["10.0.0.1:8000", "10.0.0.2:8000"]  # nothing known
     catalog.update("10.0.0.1:8000", ServedModels(frozenset({"base"}), {"a": "base"}))
     catalog.update("10.0.0.2:8000", ServedModels(frozenset({"base"}), {}))
-    await scheduler.schedule(request("a", "a"), pods)
-    assert inner.seen[-1] == ["10.0.0.1:8000"]
-    await scheduler.schedule(request("base"), pods)
-    assert inner.seen[-1] == ["10.0.0.1:8000", "10.0.0.2:8000"]
-    # The only pod with the adapter is not a candidate right now: no endpoint (503).
-    decision = await scheduler.schedule(request("a", "a"), pods[1:])
-    assert decision.endpoints == [] and len(inner.seen) == 3
+    assert kept(request("a", "a"), pods) == ["10.0.0.1:8000"]
+    assert kept(request("base"), pods) == ["10.0.0.1:8000", "10.0.0.2:8000"]
+    # The only pod with the adapter is not a candidate right now: none left (503).
+    assert kept(request("a", "a"), pods[1:]) == []
 
 
 async def test_poller_learns_each_pods_models_and_keeps_them_through_a_failure() -> None:

@@ -10,7 +10,7 @@ from support.paths import VLLM_FIXTURES
 
 from smart_epp.epp.datastore import Datastore
 from smart_epp.epp.scrape import MetricsScraper, parse_vllm_metrics
-from smart_epp.epp.types import Endpoint
+from smart_epp.framework.types import Endpoint
 from smart_epp.kv_index.ingest import IngestState
 from smart_epp.kv_index.keys import KeyScope, block_keys
 from smart_epp.kv_index.manager import KVEventManager

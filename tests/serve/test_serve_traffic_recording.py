@@ -11,22 +11,26 @@ from serve_stack import MODEL, endpoint_entry, epp_process, gateway, sim_pods, t
 from support.net import async_wait_until
 
 from smart_epp.benchmarks.replay.traces import load_trace
+from smart_epp.epp.datastore import Datastore
+from smart_epp.epp.flow import RequestFlow
 from smart_epp.epp.traffic_recorder import TrafficRecorder
-from smart_epp.epp.types import Api, Decision, LLMRequest, Usage
+from smart_epp.framework.types import Api, Decision, Endpoint, LLMRequest, Usage
 
 
 class _Passthrough:
-    def __init__(self) -> None:
-        self.responses: list[str] = []
+    """Routes to the first candidate; hears every outcome."""
 
-    async def schedule(self, request, candidates):  # pragma: no cover - not exercised here
+    def __init__(self) -> None:
+        self.outcomes: list[str] = []
+
+    async def schedule(self, request, candidates):
         return Decision(endpoints=list(candidates))
 
     def on_routed(self, request, decision) -> None:
         pass
 
-    def on_response(self, request, address, usage, ttft_s, ok) -> None:
-        self.responses.append(request.request_id)
+    def on_outcome(self, request, decision, outcome) -> None:
+        self.outcomes.append(request.request_id)
 
 
 def _request(rid: str, prompt: str) -> LLMRequest:
@@ -34,18 +38,25 @@ def _request(rid: str, prompt: str) -> LLMRequest:
                       model="m", prompt=prompt)  # fmt: skip
 
 
-def test_sizes_only_by_default_and_failed_requests_are_not_recorded() -> None:
+async def test_sizes_only_by_default_and_failed_requests_are_not_recorded() -> None:
     out = io.StringIO()
-    clock = iter([10.0, 10.5, 11.0]).__next__
+    now = [10.0]
+    datastore = Datastore()
+    datastore.set_endpoints([Endpoint("p:1")])
     inner = _Passthrough()
-    recorder = TrafficRecorder(inner, out, clock=clock)
+    flow = RequestFlow(inner, datastore, clock=lambda: now[0])
+    flow.add_hook(TrafficRecorder(out))
+    tracked = {}
     for rid in ("a", "b", "c"):
-        recorder.on_routed(_request(rid, "secret prompt"), Decision(endpoints=[]))
-    recorder.on_response(_request("b", "x"), "p:1", Usage(7, 3), 0.1, ok=True)
-    recorder.on_response(_request("a", "x"), "p:1", Usage(9, 4), 0.1, ok=True)
-    recorder.on_response(_request("c", "x"), "p:1", None, None, ok=False)
+        tracked[rid] = flow.start(_request(rid, "secret prompt"))
+        await flow.route(tracked[rid])
+        flow.routed(tracked[rid])
+        now[0] += 0.5
+    flow.finish(tracked["b"], ok=True, status=200, usage=Usage(7, 3))
+    flow.finish(tracked["a"], ok=True, status=200, usage=Usage(9, 4))
+    flow.finish(tracked["c"], ok=False, status=500)
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert inner.responses == ["b", "a", "c"]  # the wrapped scheduler still hears every end
+    assert inner.outcomes == ["b", "a", "c"]  # the scheduler still hears every end
     assert [(r["timestamp"], r["prompt_tokens"], r["output_tokens"]) for r in rows] == [
         (0.5, 7, 3),
         (0.0, 9, 4),

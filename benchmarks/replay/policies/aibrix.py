@@ -7,13 +7,13 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from smart_epp.benchmarks.replay.policies.base import StatelessHooks, gateway_load, ranked
-from smart_epp.benchmarks.replay.policies.prefix_table import (
+from ....framework.types import Decision, LLMRequest, PodState
+from .base import StatelessHooks, gateway_load, ranked
+from .prefix_table import (
     RoutedPrefixTable,
     chunk_keys,
     prompt_units,
 )
-from smart_epp.epp.types import Decision, LLMRequest, PodState
 
 
 class AIBrixPrefixCache(StatelessHooks):

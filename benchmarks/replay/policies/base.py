@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from smart_epp.epp.types import Decision, LLMRequest, PodState, Usage
+from ....framework.types import Decision, LLMRequest, Outcome, PodState
 
 
 def ranked(first: PodState, candidates: Sequence[PodState], profile: str) -> Decision:
@@ -25,12 +25,5 @@ class StatelessHooks:
     def on_routed(self, request: LLMRequest, decision: Decision) -> None:
         return None
 
-    def on_response(
-        self,
-        request: LLMRequest,
-        address: str,
-        usage: Usage | None,
-        ttft_s: float | None,
-        ok: bool,
-    ) -> None:
+    def on_outcome(self, request: LLMRequest, decision: Decision, outcome: Outcome) -> None:
         return None

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from smart_epp.benchmarks.replay.policies.base import StatelessHooks
-from smart_epp.benchmarks.sim.engine import SimEngine
-from smart_epp.epp.types import Decision, LLMRequest, PodState, Usage
+from ....framework.types import Decision, LLMRequest, Outcome, PodState
+from ...sim.engine import SimEngine
+from .base import StatelessHooks
 
 
 class Oracle(StatelessHooks):
@@ -72,12 +72,5 @@ class Oracle(StatelessHooks):
         explain = {s[3].address: {"predicted_ttft_s": s[0], "cached_tokens": -s[1]} for s in scored}
         return Decision(endpoints=[s[3] for s in scored], profile=self.name, explain=explain)
 
-    def on_response(
-        self,
-        request: LLMRequest,
-        address: str,
-        usage: Usage | None,
-        ttft_s: float | None,
-        ok: bool,
-    ) -> None:
+    def on_outcome(self, request: LLMRequest, decision: Decision, outcome: Outcome) -> None:
         self._digests.pop(request.request_id, None)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from smart_epp.epp.types import LLMRequest
+from ....framework.types import LLMRequest
 
 
 def prompt_units(request: LLMRequest) -> Sequence[int]:

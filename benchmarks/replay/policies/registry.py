@@ -7,16 +7,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from smart_epp.benchmarks.replay.policies.aibrix import AIBrixPrefixCache
-from smart_epp.benchmarks.replay.policies.oracle import Oracle
-from smart_epp.benchmarks.replay.policies.sglang import SGLangCacheAware
-from smart_epp.benchmarks.replay.policies.simple import (
+from ..sim import RoutedPolicy, SimPool
+from .aibrix import AIBrixPrefixCache
+from .oracle import Oracle
+from .sglang import SGLangCacheAware
+from .simple import (
     LeastQueue,
     PowerOfTwo,
     RandomChoice,
     RoundRobin,
 )
-from smart_epp.benchmarks.replay.sim import RoutedPolicy, SimPool
 
 PEER_POLICIES = (
     "round-robin",
@@ -67,7 +67,7 @@ def build_policy(name: str, ctx: PolicyContext) -> RoutedPolicy:
     if name == "oracle":
         return RoutedPolicy(name, Oracle(ctx.pool.engines))
     if name in CONFIG_POLICIES or Path(name).is_file():
-        from smart_epp.benchmarks.replay.policies.smart_epp import build_config_policy
+        from .smart_epp import build_config_policy
 
         return build_config_policy(name, ctx)
     raise UnknownPolicy(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from smart_epp.benchmarks.replay.policies.base import StatelessHooks, gateway_load, ranked
-from smart_epp.epp.types import Decision, LLMRequest, PodState
+from ....framework.types import Decision, LLMRequest, PodState
+from .base import StatelessHooks, gateway_load, ranked
 
 
 class RoundRobin(StatelessHooks):

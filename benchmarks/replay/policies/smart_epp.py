@@ -4,12 +4,12 @@ tracking), on the simulation's virtual clock."""
 
 from __future__ import annotations
 
-from smart_epp.benchmarks.replay.policies.registry import PolicyContext, policy_label
-from smart_epp.benchmarks.replay.sim import RoutedPolicy
-from smart_epp.epp.scheduler import build_scheduler
-from smart_epp.kv_index.ingest import IngestState
-from smart_epp.kv_index.memory import MemoryBlockIndex
-from smart_epp.kv_index.subscriber import PodEventStream
+from ....epp.scheduler import build_scheduler
+from ....kv_index.ingest import IngestState
+from ....kv_index.memory import MemoryBlockIndex
+from ....kv_index.subscriber import PodEventStream
+from ..sim import RoutedPolicy
+from .registry import PolicyContext, policy_label
 
 
 def build_config_policy(name: str, ctx: PolicyContext) -> RoutedPolicy:

@@ -9,9 +9,18 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 Medium = Literal["GPU", "CPU"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """How much of a prompt one pod holds: its longest run of consecutive blocks."""
+
+    blocks: int
+    medium: Medium = "GPU"  # the slowest tier seen along the matched run
+    tokens: int = 0  # blocks x the pod's block size, when the caller knows the block size
 
 
 class Api(StrEnum):
@@ -151,3 +160,19 @@ class Decision:
     explain: dict[str, dict[str, float]] = field(default_factory=dict)
     # Prompt token ids computed while scheduling, reused for speculative index entries.
     prompt_token_ids: list[int] | None = None
+    # The scheduler's own per-request state (its SchedulingContext), handed back to it
+    # with the outcome, so no scheduler keeps a table of requests in flight.
+    context: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What happened to one routed request, as the response path observed it."""
+
+    address: str  # the endpoint that served it (a fallback's when one answered)
+    ok: bool
+    status: int = 0  # HTTP status; 0 when no response arrived
+    usage: Usage | None = None
+    ttft_s: float | None = None  # routing decision -> first response byte
+    duration_s: float | None = None  # routing decision -> end of the response
+    now: float = 0.0  # the flow's clock when the request ended

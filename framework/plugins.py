@@ -1,24 +1,25 @@
-"""The three extension points of a scheduling profile — Filter, Scorer, Picker — and the
-per-request context they read.
+"""The three extension points of a scheduling profile — Filter, Scorer, Picker — the
+per-request context they read, and the opt-in lifecycle hooks.
 
 Plugins are plain objects with synchronous methods and no I/O: everything a decision
 needs (token ids, prefix matches, the current time) is gathered once per request by the
 scheduler's prepare step and handed over in `SchedulingContext`. Plugins that learn from
-routing outcomes (routing history, session stickiness, service rates) update their own
-state only in `on_routed` / `on_response`, never while scoring.
+routing and outcomes (routing history, session stickiness, service rates) say so by also
+deriving from `RoutingHook` / `OutcomeHook`, and update their own state only there,
+never while scoring; plugins that learn nothing carry no hook methods at all.
 """
 
 from __future__ import annotations
 
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from smart_epp.epp.types import LLMRequest, PodState, Usage
-from smart_epp.kv_index.api import PrefixHit
+from .types import LLMRequest, Outcome, PodState, PrefixHit
 
 PluginKind = Literal["filter", "scorer", "picker", "profile-handler", "tokenizer"]
 
@@ -52,6 +53,9 @@ class SchedulingContext:
     # and per-pod extra components for the explain line.
     scratch: dict[str, Any] = field(default_factory=dict)
     components: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Per-plugin state a routing hook keeps until the request's outcome (small records:
+    # everything else in the context is dropped once the request is routed).
+    kept: dict[str, Any] = field(default_factory=dict)
 
     def hit_tokens(self, address: str) -> int:
         """Prompt tokens pod `address` already holds, per the KV index."""
@@ -64,7 +68,7 @@ class SchedulingContext:
 
 
 class Plugin:
-    """Common base: a type name for the registry and optional outcome hooks."""
+    """Common base: a type name for the registry and the parameters it was built with."""
 
     type_name: ClassVar[str]
     kind: ClassVar[PluginKind]
@@ -77,19 +81,21 @@ class Plugin:
         self.name = name
         self.params = params
 
-    def on_routed(self, ctx: SchedulingContext, chosen: PodState) -> None:
-        """The request was sent to `chosen`."""
 
-    def on_response(
-        self,
-        ctx: SchedulingContext,
-        address: str,
-        usage: Usage | None,
-        ttft_s: float | None,
-        ok: bool,
-        now: float,
-    ) -> None:
-        """The response from `address` ended."""
+class RoutingHook(ABC):
+    """Opt-in: a plugin that learns from where requests were sent."""
+
+    @abstractmethod
+    def on_routed(self, ctx: SchedulingContext, chosen: PodState) -> None:
+        """The request of `ctx` was sent to `chosen` (its reply is on its way to Envoy)."""
+
+
+class OutcomeHook(ABC):
+    """Opt-in: a plugin that learns from how requests ended."""
+
+    @abstractmethod
+    def on_outcome(self, ctx: SchedulingContext, outcome: Outcome) -> None:
+        """The request of `ctx` ended (normally, with an error, or on client reset)."""
 
 
 class Filter(Plugin):

@@ -1,0 +1,208 @@
+"""RequestFlow: one request's life from parsed body to outcome, with no I/O of its own.
+
+    start -> route (candidates -> schedule -> book in-flight) -> routed
+          -> [first_byte] -> [served_by: re-book to the endpoint that answered]
+          -> finish (release, outcome hooks)
+
+The live gateway (`epp.server.Exchange`) drives it from Envoy's messages on the real
+clock; the replay benchmark drives the very same object from simulated engines on a
+virtual clock, so every benchmark result goes through the production lifecycle.
+
+The flow is the only place that filters candidates (readiness, subset hint, the hooks'
+candidate filters) and the only owner of per-request state: one `FlowRequest` per open
+request, in one bounded table. When the table is full, the oldest request is ended as
+lost (its in-flight load released, its outcome `ok=False`) rather than leaked.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from ..framework.lifecycle import CandidateFilter, FlowRequest, OutcomeObserver, RoutedObserver
+from ..framework.scheduling import Scheduler
+from ..framework.types import Decision, LLMRequest, Outcome, PodState, Usage
+from .datastore import Datastore
+from .errors import RequestError
+
+log = logging.getLogger(__name__)
+
+MAX_OPEN_REQUESTS = 100_000
+
+
+class RequestFlow:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        datastore: Datastore,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        destination_count: int = 1,
+        hooks: Iterable[object] = (),
+        max_open: int = MAX_OPEN_REQUESTS,
+    ) -> None:
+        self.scheduler = scheduler
+        self.datastore = datastore
+        self.clock = clock
+        self.destination_count = max(1, destination_count)
+        self.max_open = max_open
+        self._filters: list[CandidateFilter] = []
+        self._routed: list[RoutedObserver] = []
+        self._outcomes: list[OutcomeObserver] = []
+        for hook in hooks:
+            self.add_hook(hook)
+        # Insertion-ordered: the first entry is the oldest open request.
+        self._open: dict[int, FlowRequest] = {}
+
+    def add_hook(self, hook: object) -> None:
+        """Registers a hook under every lifecycle interface it implements."""
+        known = False
+        if isinstance(hook, CandidateFilter):
+            self._filters.append(hook)
+            known = True
+        if isinstance(hook, RoutedObserver):
+            self._routed.append(hook)
+            known = True
+        if isinstance(hook, OutcomeObserver):
+            self._outcomes.append(hook)
+            known = True
+        if not known:
+            raise TypeError(f"{type(hook).__name__} implements no request-lifecycle hook")
+
+    def open_requests(self) -> int:
+        return len(self._open)
+
+    # ------------------------------------------------------------------ request path
+
+    def start(self, request: LLMRequest) -> FlowRequest:
+        return FlowRequest(request=request, received_at=self.clock())
+
+    def candidates(self, request: LLMRequest, subset: Sequence[str] | None) -> list[PodState]:
+        pods = self.datastore.ready_pods()
+        if subset is not None:
+            allowed = set(subset)
+            pods = [p for p in pods if p.address in allowed]
+        for f in self._filters:
+            if not pods:
+                break
+            pods = f.candidates(request, pods)
+        return pods
+
+    async def route(self, flow: FlowRequest, subset: Sequence[str] | None = None) -> list[PodState]:
+        """Chooses the destination (primary first, then fallbacks) and books the primary.
+
+        Raises `RequestError.no_endpoint` when no pod can take the request.
+        """
+        request = flow.request
+        candidates = self.candidates(request, subset)
+        if not candidates:
+            raise RequestError.no_endpoint(
+                "no endpoint in the requested subset is available"
+                if subset is not None
+                else "no endpoint available to serve the request"
+            )
+        decision = await self.scheduler.schedule(request, candidates)
+        return self._book(flow, decision)
+
+    def _book(self, flow: FlowRequest, decision: Decision) -> list[PodState]:
+        if not decision.endpoints:
+            raise RequestError.no_endpoint()
+        chosen = decision.endpoints[: self.destination_count]
+        flow.decision = decision
+        flow.primary = chosen[0].address
+        flow.routed_at = self.clock()
+        self._open_request(flow)
+        self._book_on(flow, flow.primary)
+        return chosen
+
+    def _open_request(self, flow: FlowRequest) -> None:
+        opened = self._open
+        while len(opened) >= self.max_open:
+            oldest = next(iter(opened.values()))
+            log.warning(
+                "more than %d requests open; ending the oldest (%s) as lost",
+                self.max_open,
+                oldest.request.request_id,
+            )
+            self.finish(oldest, ok=False)
+        opened[id(flow)] = flow
+
+    def _book_on(self, flow: FlowRequest, address: str) -> None:
+        tokens = flow.request.estimated_prompt_tokens()
+        if self.datastore.book(address, tokens, flow.request.adapter):
+            flow.served = address
+            flow.booked_tokens = tokens
+        else:  # an address outside the pool: nothing to account
+            flow.served = address
+            flow.booked_tokens = -1
+
+    def _release(self, flow: FlowRequest) -> None:
+        if flow.served is not None and flow.booked_tokens >= 0:
+            self.datastore.release(flow.served, flow.booked_tokens, flow.request.adapter)
+        flow.booked_tokens = -1
+
+    def routed(self, flow: FlowRequest) -> None:
+        """The decision is on its way to Envoy: tell the scheduler and the observers."""
+        decision = flow.decision
+        if decision is None or flow.finished:
+            return
+        for observer in self._routed:
+            self._safely(observer.on_routed, flow)
+        try:
+            self.scheduler.on_routed(flow.request, decision)
+        except Exception:
+            log.exception("scheduler.on_routed failed for request %s", flow.request.request_id)
+        # Only the outcome hooks' small records are needed from here on.
+        decision.prompt_token_ids = None
+
+    # ------------------------------------------------------------------ response path
+
+    def first_byte(self, flow: FlowRequest) -> None:
+        if flow.first_byte_at is None:
+            flow.first_byte_at = self.clock()
+
+    def served_by(self, flow: FlowRequest, address: str) -> None:
+        """A fallback (or a retry) answered: move the in-flight load to it."""
+        if flow.finished or not address or address == flow.served:
+            return
+        self._release(flow)
+        self._book_on(flow, address)
+
+    def finish(
+        self, flow: FlowRequest, *, ok: bool, status: int = 0, usage: Usage | None = None
+    ) -> Outcome | None:
+        """Ends the request exactly once; later calls return None."""
+        if flow.finished or flow.decision is None or flow.served is None:
+            return None
+        self._open.pop(id(flow), None)
+        self._release(flow)
+        now = self.clock()
+        ttft = flow.first_byte_at - flow.routed_at if flow.first_byte_at is not None else None
+        outcome = Outcome(
+            address=flow.served,
+            ok=ok,
+            status=status,
+            usage=usage,
+            ttft_s=ttft,
+            duration_s=now - flow.routed_at,
+            now=now,
+        )
+        flow.outcome = outcome
+        try:
+            self.scheduler.on_outcome(flow.request, flow.decision, outcome)
+        except Exception:
+            log.exception("scheduler.on_outcome failed for request %s", flow.request.request_id)
+        for observer in self._outcomes:
+            self._safely(observer.on_outcome, flow, outcome)
+        return outcome
+
+    @staticmethod
+    def _safely(call: Callable[..., None], *args: object) -> None:
+        try:
+            call(*args)
+        except Exception:  # bookkeeping must never fail a request
+            log.exception("request-lifecycle hook %r failed", call)
+
+
+__all__ = ["MAX_OPEN_REQUESTS", "RequestFlow"]

@@ -1,0 +1,59 @@
+"""The contracts around a routing decision: the scheduler the request flow asks, and the
+data producers a scheduler asks (tokenization, prefix lookup)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from .types import Decision, LLMRequest, Outcome, PodState, PrefixHit
+
+
+class Scheduler(Protocol):
+    async def schedule(self, request: LLMRequest, candidates: Sequence[PodState]) -> Decision:
+        """Ranks `candidates` (already narrowed to ready pods that may serve the request).
+
+        Returns an empty `Decision.endpoints` when no candidate can take the request; the
+        gateway answers 503 then.
+        """
+        ...
+
+    def on_routed(self, request: LLMRequest, decision: Decision) -> None:
+        """The decision has been sent to Envoy (speculative index entries, routing history
+        for approximate prefix scoring, session affinity)."""
+        ...
+
+    def on_outcome(self, request: LLMRequest, decision: Decision, outcome: Outcome) -> None:
+        """The request ended (normally, with an error, or on client reset)."""
+        ...
+
+
+class PromptTokenizer(Protocol):
+    async def tokenize(self, request: LLMRequest, pods: Sequence[PodState]) -> list[int] | None:
+        """The prompt's token ids as the pods will see them, or None when unavailable."""
+        ...
+
+
+class PrefixMatcher(Protocol):
+    """Finds, per pod, the longest run of the prompt's blocks the pod holds."""
+
+    async def match(
+        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
+    ) -> Mapping[str, PrefixHit]: ...
+
+    def match_sync(
+        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
+    ) -> Mapping[str, PrefixHit] | None:
+        """The same without awaiting, or None when the backend cannot answer synchronously."""
+        ...
+
+    def speculate(
+        self,
+        token_ids: Sequence[int],
+        request: LLMRequest,
+        address: str,
+        block_size: int,
+        ttl_s: float,
+    ) -> None:
+        """Marks the prompt's blocks as held by `address` for `ttl_s` seconds."""
+        ...
