@@ -35,7 +35,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from prometheus_client import Counter
 from tokenizers import Tokenizer
 
-from ..framework.scheduling import PromptTokenizer
+from ..framework.scheduling import DEFAULT_TOKENIZER_CACHE_BYTES, PromptTokenizer
 from ..framework.types import LLMRequest, PodState
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class LRUCache(Generic[K, V]):
 # Token ids are kept as 4-byte unsigned ints (every vocabulary vLLM serves fits), a tenth
 # of a list of Python ints; a long prompt cached a thousand times stays in megabytes.
 TokenArray = array
-DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
+DEFAULT_CACHE_BYTES = DEFAULT_TOKENIZER_CACHE_BYTES
 
 
 def _ids_weight(key: object, ids: TokenArray) -> int:

@@ -28,6 +28,10 @@ class Scheduler(Protocol):
         ...
 
 
+# How much memory a tokenizer's prompt -> token ids cache may use by default.
+DEFAULT_TOKENIZER_CACHE_BYTES = 64 * 1024 * 1024
+
+
 class PromptTokenizer(Protocol):
     async def tokenize(self, request: LLMRequest, pods: Sequence[PodState]) -> list[int] | None:
         """The prompt's token ids as the pods will see them, or None when unavailable."""

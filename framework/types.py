@@ -109,7 +109,7 @@ class LLMRequest:
     adapter: str | None = None  # LoRA adapter name when `model` names one
     prompt: str | None = None  # completions/embeddings/responses text prompt
     prompt_token_ids: list[int] | None = None  # when the client sent token ids
-    messages: list[dict] | None = None  # chat messages, as sent
+    messages: list[dict[str, Any]] | None = None  # chat messages, as sent
     cache_salt: str | None = None
     max_tokens: int | None = None
     session_id: str | None = None  # from the x-session-id header, for session affinity

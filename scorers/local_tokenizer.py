@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..epp.tokenization import DEFAULT_CACHE_BYTES
 from ..framework.plugins import Plugin, PluginParams
 from ..framework.registry import register_plugin
+from ..framework.scheduling import DEFAULT_TOKENIZER_CACHE_BYTES as DEFAULT_CACHE_BYTES
 
 
 class LocalTokenizerParams(PluginParams):
