@@ -249,7 +249,8 @@ class Simulation:
         )
         try:
             engine.add_request(sim_req, self.now)
-        except RequestRejected:
+        except RequestRejected as exc:
+            result.error = exc.reason
             self._fail(result, 400)
             self.policy.scheduler.on_response(llm, address, None, None, False)
             return

@@ -45,7 +45,14 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 class RequestRejected(ValueError):
-    """The request can never run on this engine (too long, unknown adapter, ...)."""
+    """The request can never run on this engine (too long, unknown adapter, ...).
+
+    ``str(exc)`` is vLLM's message; ``reason`` a short label to count rejections by.
+    """
+
+    def __init__(self, message: str, reason: str = "invalid request"):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -231,10 +238,13 @@ class SimEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, you requested {n + req.max_tokens} tokens ({n} in the messages, "
                 f"{req.max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion."
+                "messages or completion.",
+                reason=f"longer than max_model_len ({self.max_model_len} tokens)",
             )
         if req.lora_name is not None and req.lora_name not in self.lora_ids:
-            raise RequestRejected(f"The model `{req.lora_name}` does not exist.")
+            raise RequestRejected(
+                f"The model `{req.lora_name}` does not exist.", reason="unknown LoRA adapter"
+            )
         if req.request_id in self.requests:
             raise RequestRejected(f"Request id {req.request_id} already running.")
 
@@ -277,14 +287,21 @@ class SimEngine:
         events = self._pending_events
         self._pending_events = []
         scheduled = self._schedule(events)
-        prefill_tokens = decode_seqs = context = 0
+        prefill_tokens = decode_seqs = decode_context = 0
+        prefill_pairs = 0.0
         for r, n in scheduled:
-            if n == 1 and r.num_computed >= r.num_prompt:
+            nc = r.num_computed
+            if n == 1 and nc >= r.num_prompt:
                 decode_seqs += 1
+                decode_context += nc + 1
             else:  # a prompt chunk, or recomputing a preempted request's tokens
                 prefill_tokens += n
-            context += r.num_computed + n
-        duration = self.profile.step_seconds(prefill_tokens, decode_seqs, context)
+                # Causal attention of this chunk over everything before it (cached prefix and
+                # earlier chunks) and over itself.
+                prefill_pairs += n * (nc + n / 2)
+        duration = self.profile.step_seconds(
+            prefill_tokens, prefill_pairs, decode_seqs, decode_context
+        )
         end = now + duration
         progress = [p for r, n in scheduled if (p := self._advance(r, n, end)) is not None]
         return StepOutcome(now, duration, progress, events, prefill_tokens, decode_seqs)

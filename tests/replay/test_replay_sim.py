@@ -66,6 +66,9 @@ def test_too_long_prompt_fails_with_400_and_others_complete() -> None:
     config = SimConfig(pods=PODS, block_size=16, max_model_len=400)  # prompts are 576 tokens
     results = simulate_policy("round-robin", wl, config, seed=0)
     assert all(not r.ok and r.status == 400 for r in results)
+    summary = summarize(results, [])
+    assert summary.rejected == len(results) == summary.failed
+    assert summary.rejected_reasons == {"longer than max_model_len (400 tokens)": len(results)}
 
 
 def test_round_robin_hit_rate_matches_random_placement() -> None:
