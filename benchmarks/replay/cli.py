@@ -52,6 +52,7 @@ from smart_epp.benchmarks.replay.traces import (
     load_trace,
 )
 from smart_epp.benchmarks.sim.profiles import DEFAULT_PROFILE, PROFILES, ProfileError, get_profile
+from smart_epp.benchmarks.sim.routing_latency import DEFAULT_ROUTING_LATENCY_S
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -96,6 +97,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--scrape-interval", type=float, default=0.05, help="sim mode: metrics scrape period (s)"
     )
     p.add_argument("--max-model-len", type=int, help="sim mode: lower the profile's context limit")
+    p.add_argument(
+        "--routing-latency",
+        type=float,
+        default=DEFAULT_ROUTING_LATENCY_S,
+        metavar="S",
+        help="sim mode: seconds from a request's arrival to the pod receiving it "
+        "(tokenization + decision; default %(default)s, measured by "
+        "benchmarks/decision_latency.py)",
+    )
     p.add_argument("--model", help="model name to send (default: the trace's, else 'model')")
     p.add_argument("--name", help="stem of the output files (default: replay_<trace name>)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -205,6 +215,7 @@ def run_sim(args: argparse.Namespace, workload: Workload, console: Console) -> i
         scrape_interval_s=args.scrape_interval,
         max_model_len=args.max_model_len,
         model=model,
+        routing_latency_s=args.routing_latency,
     )
     per_policy: dict[str, list[RequestResult]] = {}
     wall_s: dict[str, float] = {}
@@ -288,6 +299,7 @@ def _report(
             "block_size": args.block_size,
             "kv_event_delay_s": args.kv_event_delay,
             "scrape_interval_s": args.scrape_interval,
+            "routing_latency_s": args.routing_latency,
             **(extra or {}),
         },
     )

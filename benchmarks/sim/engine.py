@@ -224,6 +224,10 @@ class SimEngine:
         self._step_start = 0.0
         self._vocab_lo = min(cfg.first_output_token_id, cfg.vocab_size - 1)
         self._vocab_span = max(1, cfg.vocab_size - self._vocab_lo)
+        # Gauges as vLLM publishes them: computed when a step ends, so a reader mid-step
+        # sees the previous step's state. (time the gauges become visible, the gauges)
+        self._published = self._gauges()
+        self._next_gauges: tuple[float, EngineMetrics] | None = None
 
     # ---------------------------------------------------------------- requests
     def validate(self, req: SimRequest) -> None:
@@ -304,6 +308,9 @@ class SimEngine:
         )
         end = now + duration
         progress = [p for r, n in scheduled if (p := self._advance(r, n, end)) is not None]
+        if self._next_gauges is not None and self._next_gauges[0] <= now:
+            self._published = self._next_gauges[1]
+        self._next_gauges = (end, self._gauges())
         return StepOutcome(now, duration, progress, events, prefill_tokens, decode_seqs)
 
     def _schedule(self, events: list[KVEvent]) -> list[tuple[_Req, int]]:
@@ -497,19 +504,38 @@ class SimEngine:
         )
 
     # ---------------------------------------------------------------- metrics
-    def snapshot_metrics(self) -> EngineMetrics:
+    def snapshot_metrics(self, now: float | None = None) -> EngineMetrics:
+        """The gauges as published at the end of the last step that ended by ``now``.
+
+        vLLM computes its scheduler gauges (running, waiting, KV usage) when a step ends,
+        so a scrape during a step reads the previous step's state and a request that
+        arrived since is not yet counted. ``now=None`` reads the state after the last
+        step. Counters and histograms (``stats``) are live.
+        """
+        pending = self._next_gauges
+        if pending is not None and (now is None or pending[0] <= now):
+            self._published = pending[1]
+            self._next_gauges = None
+        return self._published
+
+    def _gauges(self) -> EngineMetrics:
+        running, waiting = self.running, self.waiting
         deferred = 0
-        if self.max_loras:
-            loras = {r.lora for r in self.running if r.lora}
-            full = len(loras) >= self.max_loras
-            deferred = sum(1 for r in self.waiting if r.lora and full and r.lora not in loras)
+        running_loras: list[str] = []
+        waiting_loras: list[str] = []
+        if self.lora_ids:
+            loaded = {r.lora for r in running if r.lora}
+            if len(loaded) >= self.max_loras:
+                deferred = sum(1 for r in waiting if r.lora and r.lora not in loaded)
+            running_loras = sorted(loaded)
+            waiting_loras = sorted({r.lora for r in waiting if r.lora})
         return EngineMetrics(
-            num_requests_running=len(self.running),
-            num_requests_waiting=len(self.waiting),
-            num_waiting_for_capacity=len(self.waiting) - deferred,
+            num_requests_running=len(running),
+            num_requests_waiting=len(waiting),
+            num_waiting_for_capacity=len(waiting) - deferred,
             num_waiting_deferred=deferred,
             kv_cache_usage_perc=self.pool.usage(),
-            running_lora_adapters=sorted({r.lora for r in self.running if r.lora}),
-            waiting_lora_adapters=sorted({r.lora for r in self.waiting if r.lora}),
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
             stats=self.stats,
         )
