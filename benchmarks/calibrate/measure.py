@@ -3,8 +3,9 @@
 - cold prefill: time to first token of unique prompts at >= 6 lengths up to the limit;
 - warm prefix: the same prompt length with 0, 50 and 90% of it cached just before (the
   cache is reset between runs where the pod allows it);
-- decode: the steady inter-token latency of 1, 4 and 8 concurrent streams, each at a short
-  and a long context, so per-sequence and per-context-token costs separate.
+- decode: the steady inter-token latency (mean gap after the first few tokens) of 1, 4 and
+  8 concurrent streams, each at a short and a long context, so per-sequence and
+  per-context-token costs separate.
 
 Every time has the pod's HTTP round trip (median ``GET /health``) taken off, so what is
 fitted is the engine's time, not the client's.
@@ -122,7 +123,11 @@ async def measure(
                     probe.stream(prompts.make(context), plan.decode_tokens) for _ in range(batch)
                 ]
                 timings = await asyncio.gather(*streams)
-                steps += [g for t in timings for g in t.itl_s[_SKIPPED_GAPS:]]
+                # A busy server can deliver several tokens at once: the mean gap over the
+                # steady part of a stream is its step time, whatever the bursts.
+                steps += [
+                    sum(gaps) / len(gaps) for t in timings if (gaps := t.itl_s[_SKIPPED_GAPS:])
+                ]
                 advance("decode")
             if steps:
                 # Mean context of a sequence over the measured steps.

@@ -95,6 +95,8 @@ class Probe:
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
+            # A token can decode to no text (small vocabularies): count chunks by their ids.
+            "return_token_ids": True,
             "stream": True,
             "stream_options": {"include_usage": True},
         }

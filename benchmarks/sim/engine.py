@@ -50,9 +50,10 @@ class RequestRejected(ValueError):
     ``str(exc)`` is vLLM's message; ``reason`` a short label to count rejections by.
     """
 
-    def __init__(self, message: str, reason: str = "invalid request"):
+    def __init__(self, message: str, reason: str = "invalid request", param: str | None = None):
         super().__init__(message)
         self.reason = reason
+        self.param = param  # the request field at fault, as vLLM's error names it
 
 
 @dataclass(slots=True)
@@ -231,19 +232,41 @@ class SimEngine:
 
     # ---------------------------------------------------------------- requests
     def validate(self, req: SimRequest) -> None:
-        """Raises RequestRejected with vLLM's wording when ``req`` can never run."""
+        """Raises RequestRejected with vLLM 0.32's wording when ``req`` can never run.
+
+        Like vLLM, a prompt that fits leaves ``max_tokens`` to be clamped to the room left
+        (``add_request`` does it); only a prompt that leaves no room at all is refused.
+        """
         n = len(req.prompt_token_ids)
+        limit = self.max_model_len
         if n == 0:
             raise RequestRejected("The prompt cannot be empty.")
         if req.max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be at least 1, got {req.max_tokens}.")
-        if n + req.max_tokens > self.max_model_len:
             raise RequestRejected(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {n + req.max_tokens} tokens ({n} in the messages, "
-                f"{req.max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion.",
-                reason=f"longer than max_model_len ({self.max_model_len} tokens)",
+                f"max_tokens must be at least 1, got {req.max_tokens}.", param="max_tokens"
+            )
+        if req.max_tokens > limit:
+            raise RequestRejected(
+                f"max_tokens={req.max_tokens} cannot be greater than max_model_len={limit}. "
+                f"Please request fewer output tokens. (parameter=max_tokens, "
+                f"value={req.max_tokens})",
+                reason="max_tokens over max_model_len",
+                param="max_tokens",
+            )
+        if n > limit:
+            raise RequestRejected(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"prompt contains {n} input tokens, which exceeds this limit even without "
+                "any output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={n})",
+                reason=f"longer than max_model_len ({limit} tokens)",
+                param="input_tokens",
+            )
+        if n == limit:
+            raise RequestRejected(
+                "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                reason=f"prompt fills max_model_len ({limit} tokens)",
+                param="max_tokens",
             )
         if req.lora_name is not None and req.lora_name not in self.lora_ids:
             raise RequestRejected(
@@ -253,7 +276,9 @@ class SimEngine:
             raise RequestRejected(f"Request id {req.request_id} already running.")
 
     def add_request(self, req: SimRequest, now: float) -> None:
+        """Queues ``req``; its ``max_tokens`` is clamped to the context left, as in vLLM."""
         self.validate(req)
+        req.max_tokens = min(req.max_tokens, self.max_model_len - len(req.prompt_token_ids))
         lora_path = self.config.loras.get(req.lora_name) if req.lora_name else None
         r = _Req(req, now, self.lora_ids.get(req.lora_name or ""), lora_path)
         self.requests[req.request_id] = r

@@ -198,7 +198,7 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": "ten"}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": [1, -5]}', 400, "prompt"),
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 100000000}', 400, None),
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 100000000}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "hi", "stream": "yes"}', 400, "stream"),
     ("/v1/completions", b'{"prompt": "hi", "model": "other"}', 404, "model"),
     ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),

@@ -53,17 +53,26 @@ async def test_a_scrape_during_a_long_prefill_reads_the_previous_step():
             assert resp.status == 200
 
 
-async def test_prompt_over_max_model_len_is_refused_like_vllm():
+async def test_context_limit_is_enforced_like_vllm_0_32():
     profile = get_profile("cpu-tiny").model_copy(update={"max_model_len": 256})
     async with run_pool(1, profile=profile, time_scale=0.01) as pool, aiohttp.ClientSession() as s:
         url = pool.pods[0].url
-        body = {"model": "sim-model", "prompt": list(range(1, 251)), "max_tokens": 10}
-        async with s.post(f"{url}/v1/completions", json=body) as resp:
+        long = {"model": "sim-model", "prompt": list(range(1, 261)), "max_tokens": 1}
+        async with s.post(f"{url}/v1/completions", json=long) as resp:
             assert resp.status == 400
             err = (await resp.json())["error"]
-        assert err["type"] == "BadRequestError" and err["code"] == 400
-        assert err["message"].startswith("This model's maximum context length is 256 tokens.")
-        assert "260 tokens" in err["message"]
-        ok = {**body, "max_tokens": 6}
-        async with s.post(f"{url}/v1/completions", json=ok) as resp:
+        # The body vLLM 0.32 sends for a 260-token prompt to a 256-token model.
+        assert err == {
+            "message": "This model's maximum context length is 256 tokens. However, your "
+            "prompt contains 260 input tokens, which exceeds this limit even without any "
+            "output tokens. Please reduce the length of the input prompt. "
+            "(parameter=input_tokens, value=260)",
+            "type": "BadRequestError",
+            "param": "input_tokens",
+            "code": 400,
+        }
+        # A prompt that fits: max_tokens is clamped to the room left (250 + 10 -> 6).
+        fits = {**long, "prompt": list(range(1, 251)), "max_tokens": 10}
+        async with s.post(f"{url}/v1/completions", json=fits) as resp:
             assert resp.status == 200
+            assert (await resp.json())["usage"]["completion_tokens"] == 6
