@@ -17,7 +17,15 @@ from pathlib import Path
 import aiohttp
 import pytest
 from support.net import free_port
-from vllm_pods import BLOCK_SIZE, SERVED_MODEL, VllmPod, die_with_parent, stop_process_group
+from vllm_pods import (
+    BLOCK_SIZE,
+    SERVED_MODEL,
+    PodConfig,
+    VllmPod,
+    die_with_parent,
+    start_pods,
+    stop_process_group,
+)
 
 from smart_epp.benchmarks.calibrate.probe import Probe, Prompts
 from smart_epp.benchmarks.sim.profiles import load_profile_file
@@ -30,13 +38,31 @@ COLD_LENGTHS = [100 + 800 * i // 14 for i in range(15)]  # 15 prompts, 100 to 90
 
 
 @pytest.fixture(scope="module")
-def calibrated(vllm_pods, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The profile `epp calibrate` writes for pod A (vLLM's CPU defaults: chunk 2048, 128 seqs)."""
+def real_pod(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPod]:
+    """A plain pod of its own, with /reset_prefix_cache enabled (vLLM's dev mode)."""
+    config = PodConfig(
+        name="calibrate",
+        http_port=free_port(),
+        kv_port=free_port(),
+        replay_port=free_port(),
+        extra_env=(("VLLM_SERVER_DEV_MODE", "1"),),
+    )
+    pod = VllmPod(config, vllm_python, tmp_path_factory.mktemp("vllm-calibrate-logs"))
+    start_pods([pod])
+    try:
+        yield pod
+    finally:
+        pod.stop()
+
+
+@pytest.fixture(scope="module")
+def calibrated(real_pod: VllmPod, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The profile `epp calibrate` writes for the pod (vLLM CPU defaults: chunk 2048, 128 seqs)."""
     out = tmp_path_factory.mktemp("calibrate") / "cpu-tiny-calibrated.yaml"
     args = build_parser().parse_args(
-        ["calibrate", "--target", vllm_pods.plain.url, "--out", str(out),
+        ["calibrate", "--target", real_pod.url, "--out", str(out),
          "--name", "cpu-tiny-calibrated", "--max-num-batched-tokens", "2048",
-         "--max-num-seqs", "128"]
+         "--max-num-seqs", "128", "--repeats", "5"]
     )  # fmt: skip
     assert args.func(args) == 0
     return out
@@ -76,27 +102,27 @@ async def cold_ttfts(real_url: str, sim_url: str) -> list[tuple[int, float, floa
 
 
 def test_calibrated_profile_loads_and_the_sim_answers_cold_prompts_like_the_real_pod(
-    calibrated: Path, sim_pod: str, pod_a: VllmPod, fidelity_rows: list
+    calibrated: Path, sim_pod: str, real_pod: VllmPod, fidelity_rows: list
 ) -> None:
     profile = load_profile_file(calibrated)
-    assert profile.max_model_len == pod_a.config.max_model_len
-    assert profile.kv_tokens == pod_a.config.num_gpu_blocks * BLOCK_SIZE
-    rows = asyncio.run(cold_ttfts(pod_a.url, sim_pod))
+    assert profile.max_model_len == real_pod.config.max_model_len
+    assert profile.kv_tokens == real_pod.config.num_gpu_blocks * BLOCK_SIZE
+    rows = asyncio.run(cold_ttfts(real_pod.url, sim_pod))
     errors = [abs(sim - real) / real * 100 for _, real, sim in rows]
     fidelity_rows.extend(rows)
     assert statistics.median(errors) <= 35, rows
 
 
-def test_over_long_prompt_gets_the_same_error_from_sim_and_vllm(sim_pod: str, pod_a: VllmPod):
+def test_over_long_prompt_gets_the_same_error_from_sim_and_vllm(sim_pod: str, real_pod: VllmPod):
     """The sim pod runs the calibrated profile, so its limit is the real pod's."""
     import json
     import urllib.error
     import urllib.request
 
-    prompt = [10 + i % 400 for i in range(pod_a.config.max_model_len + 20)]
+    prompt = [10 + i % 400 for i in range(real_pod.config.max_model_len + 20)]
     body = json.dumps({"model": SERVED_MODEL, "prompt": prompt, "max_tokens": 1}).encode()
     answers = []
-    for url in (pod_a.url, sim_pod):
+    for url in (real_pod.url, sim_pod):
         request = urllib.request.Request(
             f"{url}/v1/completions", data=body, headers={"content-type": "application/json"}
         )
