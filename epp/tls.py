@@ -131,7 +131,8 @@ def server_credentials(options: TlsOptions) -> grpc.ServerCredentials:
     """Server credentials for the ext_proc port (client certificates are not asked for)."""
     if options.cert_file is None or options.key_file is None:
         log.info("ext_proc TLS: self-signed certificate generated at start")
-        return grpc.ssl_server_credentials([(p.key_pem, p.cert_pem) for p in [self_signed()]])
+        pair = self_signed()
+        return grpc.ssl_server_credentials([(pair.key_pem, pair.cert_pem)])
     files = RotatingKeyPair(options.cert_file, options.key_file)
     log.info("ext_proc TLS: certificate %s, reloaded on change", options.cert_file)
 

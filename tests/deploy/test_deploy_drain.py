@@ -20,6 +20,8 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
+from envoy.config.core.v3 import base_pb2 as core
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.envoy import async_running_envoy
@@ -45,9 +47,6 @@ async def readiness(port: int) -> int:
 
 
 def headers_message() -> ep.ProcessingRequest:
-    from envoy.config.core.v3 import base_pb2 as core
-    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
-
     values = [
         core.HeaderValue(key=k, raw_value=v.encode())
         for k, v in {":method": "POST", ":path": "/v1/completions"}.items()
@@ -91,10 +90,11 @@ class Stream:
         )
 
     async def finish(self) -> None:
+        """The response ends and Envoy closes the stream; the server ends it cleanly."""
         await self.call.write(RESPONSE_END)
         await self.call.read()
         await self.call.done_writing()
-        await self.call.wait_for_connection()
+        assert await self.call.code() == grpc.StatusCode.OK
 
 
 @contextlib.asynccontextmanager

@@ -4,6 +4,7 @@ the request closed, or open to the fallback pool, as configured."""
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ async def test_certificate_verified_against_the_ca(tmp_path: Path) -> None:
         assert handshakes(gw) >= 1
 
 
-async def wrong_ca_gateway(tmp_path: Path, **overrides: object):  # type: ignore[no-untyped-def]
+def wrong_ca_gateway(tmp_path: Path, **overrides: object) -> AbstractAsyncContextManager[Gateway]:
     """The picker's certificate comes from one CA; Envoy trusts another."""
     files = CertificateAuthority("picker CA").issue(tmp_path, ["127.0.0.1"])
     trusted = CertificateAuthority("another CA").write(tmp_path / "trusted.pem")
@@ -82,7 +83,7 @@ def verify_failures(gw: Gateway) -> int:
 
 
 async def test_wrong_ca_fails_closed(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    async with await wrong_ca_gateway(tmp_path, failure_mode="close") as gw:
+    async with wrong_ca_gateway(tmp_path, failure_mode="close") as gw:
         await async_wait_until(lambda: verify_failures(gw) > 0, what="a refused handshake")
         status, _ = await completion(gw, 0)
         assert 500 <= status < 600
@@ -93,7 +94,7 @@ async def test_wrong_ca_fails_closed(tmp_path: Path, capfd: pytest.CaptureFixtur
 async def test_wrong_ca_fails_open_to_the_fallback_pool(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    async with await wrong_ca_gateway(tmp_path, failure_mode="open", fallback_backend=1) as gw:
+    async with wrong_ca_gateway(tmp_path, failure_mode="open", fallback_backend=1) as gw:
         await async_wait_until(lambda: verify_failures(gw) > 0, what="a refused handshake")
         status, answer = await completion(gw, 0)
         assert status == 200 and answer["backend"] == gw.backends[1].name

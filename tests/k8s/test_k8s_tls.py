@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from fake_kube_api import FakeKubeApi, make_pod, make_pool_v1
+from prometheus_client import REGISTRY
 from support.certificates import CertificateAuthority
 from support.net import async_wait_until
 
@@ -22,12 +24,14 @@ APP = {"app": "vllm"}
 
 
 @pytest.fixture
-async def api() -> FakeKubeApi:
+async def api() -> AsyncIterator[FakeKubeApi]:
     server = await FakeKubeApi().start()
     server.put_pool(make_pool_v1(POOL, APP, [8000]))
     server.put_pod(make_pod("vllm-0", "10.0.0.1", APP))
-    yield server  # type: ignore[misc]
-    await server.stop()
+    try:
+        yield server
+    finally:
+        await server.stop()
 
 
 async def watch(
@@ -96,8 +100,10 @@ async def test_a_server_outside_the_trusted_ca_gets_no_token(
         assert len(datastore) == 0
         assert api.requests == []  # nothing, the token included, was sent
         assert "certificate verify failed" in caplog.text
-        tls_errors = kd.DISCOVERY_ERRORS.labels("tls")._value.get()
-        assert tls_errors >= 2
+        tls_errors = REGISTRY.get_sample_value(
+            "smart_epp_k8s_discovery_errors_total", {"reason": "tls"}
+        )
+        assert tls_errors is not None and tls_errors >= 2
     finally:
         await stop(task)
 
