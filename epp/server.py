@@ -418,7 +418,8 @@ class EppServer:
         self._grpc = grpc.aio.server(options=options)
         px.add_ext_proc_service(self._grpc, self.process)
         health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._grpc)
-        address = f"{host}:{grpc_port}"
+        bind = f"[{host}]" if ":" in host else host  # an IPv6 address such as ::
+        address = f"{bind}:{grpc_port}"
         self.grpc_port = (
             self._grpc.add_insecure_port(address)
             if tls is None
@@ -428,7 +429,7 @@ class EppServer:
         if health_port is not None:
             self._health = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._health)
-            self.health_port = self._health.add_insecure_port(f"{host}:{health_port}")
+            self.health_port = self._health.add_insecure_port(f"{bind}:{health_port}")
             await self._health.start()
         await self.set_serving(True)
         if metrics_port is not None:

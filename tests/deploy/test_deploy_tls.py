@@ -4,6 +4,7 @@ real gRPC TLS handshake), and the Envoy config matching `--secure-serving`."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +118,22 @@ def test_envoy_config_follows_secure_serving(tmp_path: Path) -> None:
     assert validation["match_typed_subject_alt_names"] == [
         {"san_type": "DNS", "matcher": {"exact": "smart-epp.ns.svc"}}
     ]
+
+
+def reachable(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex((host, port)) == 0
+
+
+@pytest.mark.parametrize(("host", "elsewhere"), [("127.0.0.2", "127.0.0.1"), ("::1", "127.0.0.1")])
+async def test_host_is_the_bind_address_of_every_port(host: str, elsewhere: str) -> None:
+    server = EppServer(RoundRobinScheduler(), Datastore())
+    await server.start(0, 0, 0, host=host, tls=server_credentials(TlsOptions()))
+    try:
+        for port in (server.grpc_port, server.health_port, server.metrics_port):
+            assert reachable(host, port)
+            assert not reachable(elsewhere, port)
+    finally:
+        await server.stop(0)
