@@ -329,3 +329,18 @@ def test_flow_control_overlay_config_loads() -> None:
     mounted = next(a for a in args.container_args if a.startswith("--config="))
     shipped = K8S / "overlays" / "flow-control" / Path(mounted.split("=", 1)[1]).name
     assert yaml.safe_load(shipped.read_text()) == yaml.safe_load(Path(args.config).read_text())
+
+
+def test_shipped_envoy_config_reaches_the_picker_as_it_serves() -> None:
+    """deploy/envoy/envoy-kubernetes.yaml (for a plain Envoy in front of the endpoints-file
+    overlay) dials the picker's Service, on its ext_proc port, with TLS as epp serves it."""
+    config = yaml.safe_load((K8S.parent / "envoy" / "envoy-kubernetes.yaml").read_text())
+    epp = next(c for c in config["static_resources"]["clusters"] if c["name"] == "epp")
+    endpoint = epp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    address = endpoint["address"]["socket_address"]
+    service = one("endpoints-file", "Service", "smart-epp")
+    assert address["address"].split(".")[0] == service["metadata"]["name"]
+    ext_proc = next(p for p in service["spec"]["ports"] if p["name"] == "grpc-ext-proc")
+    assert address["port_value"] == ext_proc["port"]
+    args = epp_arguments(one("endpoints-file", "Deployment", "smart-epp"))
+    assert ("transport_socket" in epp) is args.secure_serving
