@@ -32,6 +32,7 @@ from smart_epp.epp.k8s_discovery import (
 )
 from smart_epp.epp.model_catalog import ModelCatalog, ModelCatalogPoller, ServedModels
 from smart_epp.epp.model_routing import ServedModelScheduler
+from smart_epp.epp.request_limits import DEFAULT_ALLOWED_PATHS, RequestLimits
 from smart_epp.epp.scheduler import build_scheduler
 from smart_epp.epp.scheduler_api import Scheduler
 from smart_epp.epp.scrape import MetricsScraper
@@ -46,6 +47,9 @@ from smart_epp.kv_index.memory import DEFAULT_CAPACITY, MemoryBlockIndex
 from smart_epp.kv_index.redis_backend import RedisBlockIndex
 
 log = logging.getLogger(__name__)
+
+# Two endpoints after the primary: a retry survives one more dead pod than it needs to.
+DEFAULT_FALLBACKS = 0
 
 KVEventsMode = Literal["dial", "central", "off"]
 KVIndexKind = Literal["memory", "redis"]
@@ -82,6 +86,10 @@ class ServeOptions:
     # Recorded-traffic JSONL for `epp replay --format recorded`; None = not recorded.
     record_traffic: Path | None = None
     record_prompts: bool = False  # prompts are user data: sizes and timing only by default
+    # Paths forwarded to the pods; any other is answered 404 by the picker.
+    allowed_paths: tuple[str, ...] = DEFAULT_ALLOWED_PATHS
+    # Endpoints sent after the primary, for Envoy to retry on when the primary refuses.
+    fallbacks: int = DEFAULT_FALLBACKS
 
 
 class _ForeignMetrics(Collector):
@@ -176,6 +184,7 @@ async def serve(
         base_model=options.model,
         registry=metrics.registry,
         record_e2e=False,  # the server times the whole scheduling call under that name
+        fallbacks=options.fallbacks,
     )
     events: KVEventManager | None = None
     if options.kv_events_mode != "off":
@@ -223,7 +232,12 @@ async def serve(
         routed,
         datastore,
         adapter_resolver=catalog.resolve_adapter,
-        options=ServerOptions(max_body_bytes=options.max_body_bytes, pool_name=options.pool_name),
+        options=ServerOptions(
+            max_body_bytes=options.max_body_bytes,
+            pool_name=options.pool_name,
+            destination_count=1 + options.fallbacks,
+            request_limits=RequestLimits.with_paths(options.allowed_paths),
+        ),
         metrics=metrics,
     )
     metrics.registry.register(_ForeignMetrics(REGISTRY, metrics.registry))
@@ -381,6 +395,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies are answered 413",
+    )
+    parser.add_argument(
+        "--allowed-path",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="a path forwarded to the pods (repeat; replaces the default list of the OpenAI "
+        "paths vLLM serves: " + ", ".join(DEFAULT_ALLOWED_PATHS) + "); any other is "
+        "answered 404, so engine admin endpoints are never reachable through the gateway",
+    )
+    parser.add_argument(
+        "--fallbacks",
+        type=int,
+        default=DEFAULT_FALLBACKS,
+        help="endpoints listed after the primary in the destination, best-scored first: "
+        "Envoy retries on them when the primary refuses the connection "
+        f"(default {DEFAULT_FALLBACKS}; 0 sends the primary alone)",
     )
     parser.add_argument(
         "--pool-name",
@@ -548,6 +579,8 @@ def run(args: argparse.Namespace) -> int:
         endpoints_file=args.endpoints_file,
         k8s=k8s,
         max_body_bytes=args.max_body_bytes,
+        allowed_paths=tuple(args.allowed_path or DEFAULT_ALLOWED_PATHS),
+        fallbacks=max(0, args.fallbacks),
         pool_name=args.pool_name or "default",
         model=args.model,
         kv_events_mode=args.kv_events_mode,

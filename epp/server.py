@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from smart_epp.epp.datastore import Datastore
 from smart_epp.epp.errors import RequestError
 from smart_epp.epp.gateway_metrics import GatewayMetrics
+from smart_epp.epp.request_limits import RequestLimits
 from smart_epp.epp.request_parser import AdapterResolver, no_adapters, parse_request
 from smart_epp.epp.scheduler_api import Scheduler
 from smart_epp.epp.types import LLMRequest
@@ -47,6 +48,8 @@ class ServerOptions:
     # Used when Envoy does not announce its body mode on the stream (older Envoy).
     default_request_body_mode: BodyMode = BodyMode.FULL_DUPLEX_STREAMED
     pool_name: str = "default"
+    # Which paths reach the pods, and how large a JSON body may be (see request_limits).
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 class Exchange:
@@ -195,6 +198,7 @@ class Exchange:
             body,
             self.request_id,
             gw.adapter_resolver,
+            gw.options.request_limits,
         )
         self.request = request
         gw.metrics.objective(request.model, request.adapter or request.model).requests.inc()

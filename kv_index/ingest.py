@@ -196,7 +196,11 @@ class IngestState:
                 return
             seed = found
         # extend_keys ignores tokens past the last full block, so no slicing is needed.
-        keys = extend_keys(seed, token_ids, block_size)
+        try:
+            keys = extend_keys(seed, token_ids, block_size)
+        except OverflowError:  # a token id outside 0..2^32-1: no tokenizer produced it
+            out.malformed_events += 1
+            return
         if len(keys) != len(hashes):
             keys = keys[: len(hashes)]
         tier_map.update(zip(hashes, keys, strict=True))
