@@ -41,6 +41,7 @@ from smart_epp.epp.tokenization import TokenizerRouter
 from smart_epp.epp.traffic_recorder import TrafficRecorder
 from smart_epp.epp.types import PodState
 from smart_epp.kv_index.api import BlockIndex
+from smart_epp.kv_index.curve import CurveServerConfig
 from smart_epp.kv_index.ingest import IngestState
 from smart_epp.kv_index.manager import KVEventManager
 from smart_epp.kv_index.memory import DEFAULT_CAPACITY, MemoryBlockIndex
@@ -86,6 +87,8 @@ class ServeOptions:
     # Recorded-traffic JSONL for `epp replay --format recorded`; None = not recorded.
     record_traffic: Path | None = None
     record_prompts: bool = False  # prompts are user data: sizes and timing only by default
+    # Central mode: only publishers with an allowed CURVE key may connect; None = open.
+    kv_events_curve: CurveServerConfig | None = None
     # Paths forwarded to the pods; any other is answered 404 by the picker.
     allowed_paths: tuple[str, ...] = DEFAULT_ALLOWED_PATHS
     # Endpoints sent after the primary, for Envoy to retry on when the primary refuses.
@@ -167,7 +170,7 @@ async def serve(
     metrics = GatewayMetrics(options.pool_name, lambda: len(datastore.ready_pods()))
 
     index = _build_index(options)
-    ingest = IngestState()
+    ingest = IngestState(max_hashes_per_tier=options.kv_index_capacity)
     catalog = ModelCatalog(datastore.pods)
 
     def scope_model(address: str) -> str | None:
@@ -196,6 +199,7 @@ async def serve(
             default_model=options.model or "",
             default_events_port=options.kv_events_port,
             default_replay_port=options.kv_replay_port,
+            curve=options.kv_events_curve,
             model_of=None
             if options.model
             else (lambda endpoint: catalog.base_model_of_pod(endpoint.address)),
@@ -476,6 +480,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="where the central-mode SUB socket binds (default %(default)s)",
     )
     kv.add_argument(
+        "--kv-events-curve-key",
+        type=Path,
+        metavar="FILE",
+        help="central mode: require ZMQ CURVE. The picker's certificate (with its secret key, "
+        "e.g. epp.key_secret from zmq.auth.create_certificates); needs "
+        "--kv-events-curve-clients",
+    )
+    kv.add_argument(
+        "--kv-events-curve-clients",
+        type=Path,
+        metavar="DIR",
+        help="central mode with CURVE: the directory of the public certificates (*.key) of "
+        "the publishers allowed to connect; any other is refused at the handshake",
+    )
+    kv.add_argument(
         "--kv-events-port",
         type=int,
         default=5557,
@@ -548,6 +567,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def _curve_config(args: argparse.Namespace) -> CurveServerConfig | None:
+    key, clients = args.kv_events_curve_key, args.kv_events_curve_clients
+    if key is None and clients is None:
+        return None
+    if key is None or clients is None:
+        raise ValueError("--kv-events-curve-key and --kv-events-curve-clients go together")
+    if args.kv_events_mode != "central":
+        raise ValueError("CURVE authentication needs --kv-events-mode central")
+    return CurveServerConfig(key, clients)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -567,6 +597,7 @@ def run(args: argparse.Namespace) -> int:
             kv_events_port=args.kv_events_port,
             kv_replay_port=args.kv_replay_port,
         )
+        curve = _curve_config(args)
     except (ConfigError, OSError, ValueError) as exc:
         log.error("%s", exc)
         return 2
@@ -585,6 +616,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         kv_events_mode=args.kv_events_mode,
         kv_events_bind=args.kv_events_bind,
+        kv_events_curve=curve,
         kv_events_port=args.kv_events_port,
         kv_replay_port=args.kv_replay_port,
         kv_index=args.kv_index,

@@ -40,6 +40,22 @@ ORPHAN_BLOCKS = Counter(
     "Stored blocks whose parent was never seen (no key can be computed)",
     ["pod"],
 )
+APPLY_FAILURES = Counter(
+    "smart_epp_kv_apply_failures_total",
+    "Decoded batches that failed to apply to the index (skipped; the stream goes on)",
+    ["pod"],
+)
+SUSPECT_FRAMES = Counter(
+    "smart_epp_kv_suspect_frames_total",
+    "Frames dropped for an implausible sequence number, or an apparent restart the pod's "
+    "replay buffer contradicted",
+    ["pod"],
+)
+HASH_MAP_EVICTIONS = Counter(
+    "smart_epp_kv_hash_map_evictions_total",
+    "vLLM-hash -> key entries dropped to keep a pod's map within the index capacity",
+    ["pod"],
+)
 LAG = Histogram(
     "smart_epp_kv_event_lag_seconds",
     "From the engine's batch timestamp to the batch being applied to the index",
@@ -66,6 +82,9 @@ _PER_POD = (
     REPLAYED_BATCHES,
     RESTARTS,
     ORPHAN_BLOCKS,
+    APPLY_FAILURES,
+    SUSPECT_FRAMES,
+    HASH_MAP_EVICTIONS,
 )
 
 

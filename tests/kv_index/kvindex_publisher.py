@@ -26,11 +26,14 @@ class VllmKvPublisher:
         events_endpoint: str,
         replay_endpoint: str | None,
         connect: bool = False,
+        curve: tuple[bytes, bytes, bytes] | None = None,
     ) -> None:
         self.topic = topic.encode()
         self.events_endpoint = events_endpoint
         self.replay_endpoint = replay_endpoint
         self.connect = connect
+        # (own public key, own secret key, the server's public key) for a CURVE client
+        self.curve = curve
         self.ctx = zmq.asyncio.Context()
         self.seq = 0
         self.buffer: list[tuple[int, bytes]] = []
@@ -42,6 +45,8 @@ class VllmKvPublisher:
     async def start(self) -> VllmKvPublisher:
         pub = self.ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            pub.curve_publickey, pub.curve_secretkey, pub.curve_serverkey = self.curve
         if self.connect:
             pub.connect(self.events_endpoint)
         else:
