@@ -50,7 +50,7 @@ from smart_epp.kv_index.redis_backend import RedisBlockIndex
 log = logging.getLogger(__name__)
 
 # Two endpoints after the primary: a retry survives one more dead pod than it needs to.
-DEFAULT_FALLBACKS = 0
+DEFAULT_FALLBACKS = 2
 
 KVEventsMode = Literal["dial", "central", "off"]
 KVIndexKind = Literal["memory", "redis"]

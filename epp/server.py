@@ -32,6 +32,7 @@ from smart_epp.epp.scheduler_api import Scheduler
 from smart_epp.epp.types import LLMRequest
 from smart_epp.epp.usage import UsageReader
 from smart_epp.proto import extproc as px
+from smart_epp.proto.eds import add_pool_eds
 from smart_epp.proto.extproc import BodyMode
 
 log = logging.getLogger(__name__)
@@ -418,6 +419,7 @@ class EppServer:
         self._grpc = grpc.aio.server(options=options)
         px.add_ext_proc_service(self._grpc, self.process)
         health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._grpc)
+        add_pool_eds(self._grpc, self.datastore)  # Envoy's view of the pool, for fallbacks
         self.grpc_port = self._grpc.add_insecure_port(f"{host}:{grpc_port}")
         await self._grpc.start()
         if health_port is not None:

@@ -70,7 +70,6 @@ async def gateway(
     backends: int = 2,
     options: ServerOptions | None = None,
     register_backends: bool = True,
-    fallback_backend: int | None = None,
     **envoy_overrides: object,
 ) -> AsyncIterator[Gateway]:
     async with echo_backends(backends) as pods:
@@ -80,8 +79,6 @@ async def gateway(
         scheduler = PickByHeader()
         server = EppServer(scheduler, datastore, options=options)
         await server.start(grpc_port=0, health_port=0, metrics_port=0, host="127.0.0.1")
-        if fallback_backend is not None:
-            envoy_overrides["fallback_endpoints"] = (pods[fallback_backend].address,)
         try:
             async with (
                 async_running_envoy(

@@ -270,8 +270,8 @@ async def test_backend_error_is_reported_as_not_ok() -> None:
 
 
 async def test_epp_down_with_fail_open_still_serves(body_mode: str) -> None:
-    async with gateway(body_mode, failure_mode="open", fallback_backend=1) as gw:
-        chosen, fallback = gw.backends
+    async with gateway(body_mode, failure_mode="open") as gw:
+        chosen, _ = gw.backends
         async with gw.http.post(
             f"{gw.url}/v1/completions",
             json={"model": "tiny", "prompt": "up"},
@@ -287,7 +287,8 @@ async def test_epp_down_with_fail_open_still_serves(body_mode: str) -> None:
             headers={TARGET_HEADER: chosen.address},
         ) as response:
             assert response.status == 200
-            assert (await response.json())["backend"] == fallback.name
+            # Balanced over the pool Envoy learned from the picker before it went away.
+            assert (await response.json())["backend"] in {b.name for b in gw.backends}
 
 
 async def test_epp_down_with_fail_close_answers_5xx(body_mode: str) -> None:
