@@ -170,6 +170,8 @@ async def serve(
     metrics = GatewayMetrics(options.pool_name, lambda: len(datastore.ready_pods()))
 
     index = _build_index(options)
+    if isinstance(index, RedisBlockIndex):
+        background.spawn(index.maintain())  # reconnects, re-seeds an emptied store
     ingest = IngestState(max_hashes_per_tier=options.kv_index_capacity)
     catalog = ModelCatalog(datastore.pods)
 

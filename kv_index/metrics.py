@@ -69,6 +69,16 @@ REDIS_UP = Gauge(
     "smart_epp_kv_redis_up",
     "1 while the shared Redis index answers, 0 while routing on local state",
 )
+REDIS_RESEEDS = Counter(
+    "smart_epp_kv_redis_reseeds_total",
+    "Times this replica wrote its local index back to Redis (empty or replaced store, or "
+    "writes lost during an outage)",
+)
+REDIS_DIVERGENCE = Gauge(
+    "smart_epp_kv_redis_divergence_blocks",
+    "Blocks in the shared Redis index minus blocks in this replica's local mirror "
+    "(sampled; near 0 when replicas and the store agree)",
+)
 REDIS_ERRORS = Counter(
     "smart_epp_kv_redis_errors_total", "Redis index operations that failed", ["op"]
 )
