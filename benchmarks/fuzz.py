@@ -260,7 +260,7 @@ def run_target(
     """Runs `check` on `cases` inputs (seeds and their mutations); crashes are collected,
     not raised, so one crash does not end the run."""
     crashes: list[str] = []
-    ran = 0
+    ran = drawn = 0
     seeds = max(1, cases // (1 + mutations_per_seed))
 
     @settings(
@@ -272,7 +272,8 @@ def run_target(
     )
     @given(strategy, st.randoms(use_true_random=False))
     def case(seed: bytes, rnd: random.Random) -> None:
-        nonlocal ran
+        nonlocal ran, drawn
+        drawn += 1
         for data in [seed, *mutations(seed, rnd, mutations_per_seed)]:
             ran += 1
             try:
@@ -283,14 +284,15 @@ def run_target(
     started = time.perf_counter()
     case()
     elapsed = time.perf_counter() - started
-    print(f"{name}: {ran} cases in {elapsed:.1f} s, {len(crashes)} crashes")
+    print(f"{name}: {ran} cases ({drawn} drawn seeds) in {elapsed:.1f} s, {len(crashes)} crashes")
     for crash in crashes[:3]:
         print(crash)
     return {
         "cases": ran,
+        "drawn_seeds": drawn,
         "crashes": len(crashes),
         "seconds": round(elapsed, 1),
-        "examples": [c for c in crashes if c][:5],
+        "examples": crashes[:5],
     }
 
 
