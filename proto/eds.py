@@ -74,8 +74,13 @@ class PoolEndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
         for wake in self._wakers:
             wake.set()
 
-    def _response(self, clusters: list[str]) -> discovery_pb2.DiscoveryResponse:
+    def _response(self, clusters: list[str]) -> discovery_pb2.DiscoveryResponse | None:
+        """The current pool for `clusters`; None while it is empty: a picker that has just
+        started and not yet discovered its pool must not empty Envoy's (Envoy keeps the
+        last pool it was sent, which is what failing open balances over)."""
         addresses = list(self._addresses())
+        if not addresses:
+            return None
         resources = []
         for cluster in clusters or [POOL_CLUSTER]:
             packed = any_pb2.Any()
@@ -119,8 +124,10 @@ class PoolEndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
                 if ended:
                     return
                 if asked.is_set() and sent != self._version:
-                    sent = self._version
-                    await context.write(self._response(clusters))
+                    response = self._response(clusters)
+                    if response is not None:
+                        sent = self._version
+                        await context.write(response)
         finally:
             self._wakers.discard(wake)
             reader.cancel()
