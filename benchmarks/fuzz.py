@@ -273,8 +273,10 @@ def run_target(
     @given(strategy, st.randoms(use_true_random=False))
     def case(seed: bytes, rnd: random.Random) -> None:
         nonlocal ran, drawn
+        # Built before counting: hypothesis may abandon a seed while `rnd` draws from it.
+        inputs = [seed, *mutations(seed, rnd, mutations_per_seed)]
         drawn += 1
-        for data in [seed, *mutations(seed, rnd, mutations_per_seed)]:
+        for data in inputs:
             ran += 1
             try:
                 check(data)

@@ -72,12 +72,13 @@ async def test_a_refused_primary_is_retried_on_the_next_fallback(body_mode: str)
         assert retries.get("cluster.inference_pool.upstream_rq_retry", 0) >= 30
 
 
-async def test_primary_alone_that_refuses_gets_an_openai_503() -> None:
-    async with gateway("full-duplex", backends=1) as gw:  # destination count 1: no fallback
-        dead = with_dead_pod(gw)
+async def test_a_pool_that_refuses_everywhere_gets_an_openai_503() -> None:
+    async with gateway("full-duplex", backends=1) as gw:
+        dead = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+        gw.datastore.set_endpoints([Endpoint(a) for a in dead])
         await envoy_knows(gw, 2)
         async with gw.http.post(
-            f"{gw.url}/v1/chat/completions", json=CHAT, headers={TARGET_HEADER: dead}
+            f"{gw.url}/v1/chat/completions", json=CHAT, headers={TARGET_HEADER: dead[0]}
         ) as response:
             error = await openai_error(response, 503)
         assert "could not connect" in str(error["message"])
