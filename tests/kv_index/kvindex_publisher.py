@@ -43,19 +43,31 @@ class VllmKvPublisher:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> VllmKvPublisher:
+        # A socket whose bind fails is closed at once: a leaked one would keep its port
+        # and make the context's term() wait forever.
         pub = self.ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        if self.curve is not None:
-            pub.curve_publickey, pub.curve_secretkey, pub.curve_serverkey = self.curve
-        if self.connect:
-            pub.connect(self.events_endpoint)
-        else:
-            pub.bind(self.events_endpoint)
+        try:
+            pub.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:
+                pub.curve_publickey, pub.curve_secretkey, pub.curve_serverkey = self.curve
+            if self.connect:
+                pub.connect(self.events_endpoint)
+            else:
+                pub.bind(self.events_endpoint)
+        except zmq.ZMQError:
+            pub.close(linger=0)
+            raise
         self._pub = pub
         if self.replay_endpoint is not None:
             router = self.ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            router.bind(self.replay_endpoint)
+            try:
+                router.setsockopt(zmq.LINGER, 0)
+                router.bind(self.replay_endpoint)
+            except zmq.ZMQError:
+                router.close(linger=0)
+                pub.close(linger=0)
+                self._pub = None
+                raise
             self._router = router
             self._task = asyncio.create_task(self._serve_replay())
         return self
@@ -103,7 +115,7 @@ class VllmKvPublisher:
         await self.stop()
         self.seq = 0
         self.buffer.clear()
-        for _ in range(50):  # the old sockets release their ports asynchronously
+        for _ in range(200):  # the old sockets release their ports asynchronously
             try:
                 await self.start()
                 return
