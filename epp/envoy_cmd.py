@@ -15,12 +15,16 @@ from typing import Literal
 
 import jinja2
 
+from ..proto.access_log import RECORD_FORMAT
 from .discovery import parse_address
 from .server import DEFAULT_MAX_BODY_BYTES
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml.j2"
 
 BodyModeName = Literal["buffered", "full-duplex"]
+# access-log: the response bypasses the picker, which hears of it from Envoy's access
+# log; ext-proc: every response chunk crosses ext_proc (usage read from the body).
+ResponsePathName = Literal["access-log", "ext-proc"]
 FailureModeName = Literal["open", "close"]
 
 
@@ -31,6 +35,9 @@ class EnvoyOptions:
     epp_host: str = "127.0.0.1"
     body_mode: BodyModeName = "full-duplex"
     failure_mode: FailureModeName = "close"
+    response_path: ResponsePathName = "access-log"
+    # How long Envoy gathers access-log records before sending a batch to the picker.
+    access_log_flush_ms: int = 20
     # The picker's own limit by default: Envoy buffers no more than the picker accepts.
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     admin_port: int = 19000
@@ -64,6 +71,10 @@ def render_envoy_config(options: EnvoyOptions) -> str:
         raise ValueError(f"body mode must be buffered or full-duplex, not {options.body_mode!r}")
     if options.failure_mode not in ("open", "close"):
         raise ValueError(f"failure mode must be open or close, not {options.failure_mode!r}")
+    if options.response_path not in ("access-log", "ext-proc"):
+        raise ValueError(
+            f"response path must be access-log or ext-proc, not {options.response_path!r}"
+        )
     environment = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATE.parent),
         undefined=jinja2.StrictUndefined,
@@ -84,6 +95,9 @@ def render_envoy_config(options: EnvoyOptions) -> str:
         epp_cluster_type="STATIC" if _is_ip(options.epp_host) else "STRICT_DNS",
         body_mode=options.body_mode,
         failure_mode=options.failure_mode,
+        response_path=options.response_path,
+        access_log_flush_ms=options.access_log_flush_ms,
+        access_log_format=RECORD_FORMAT,
         max_body_bytes=options.max_body_bytes,
         message_timeout_s=options.message_timeout_s,
         epp_health_interval_s=options.epp_health_interval_s,
@@ -138,6 +152,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--epp-host", default="127.0.0.1")
     parser.add_argument("--body-mode", choices=("buffered", "full-duplex"), default="full-duplex")
     parser.add_argument("--failure-mode", choices=("open", "close"), default="close")
+    parser.add_argument(
+        "--response-path",
+        choices=("access-log", "ext-proc"),
+        default="access-log",
+        help="access-log (default): responses bypass the picker, which learns how each "
+        "went from Envoy's access log; ext-proc: every response chunk crosses ext_proc "
+        "so the picker reads `usage` from the body",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument("--admin-port", type=int, default=19000)
     parser.add_argument(
@@ -160,6 +182,7 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
         epp_host=args.epp_host,
         body_mode=args.body_mode,
         failure_mode=args.failure_mode,
+        response_path=args.response_path,
         max_body_bytes=args.max_body_bytes,
         admin_port=args.admin_port,
         fallback_endpoints=tuple(args.fallback_endpoint),
