@@ -22,11 +22,14 @@ import statistics
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
+
+import aiohttp
 
 from smart_epp.benchmarks.extproc_overhead import port_open, process, wait_for
 from smart_epp.epp.ports import free_port
-from smart_epp.epp.tokenization import LocalTokenizer, PodTokenizer
+from smart_epp.epp.tokenization import LocalTokenizer, PodTokenizer, decode_tokenize_answer
 from smart_epp.framework.types import Api, Endpoint, LLMRequest, PodState
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,6 +120,34 @@ async def measure(address: str, count: int, words: int) -> dict[str, object]:
     return out
 
 
+def json_and_python_check(raw: bytes) -> list[int]:
+    """How the /tokenize answer used to be read: json, then a Python loop over the ids."""
+    payload = json.loads(raw)
+    tokens = payload.get("tokens") if isinstance(payload, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise ValueError("no token list")
+    return tokens
+
+
+async def answer_decoding(address: str, words: int, repeat: int = 200) -> dict[str, object]:
+    """Reading one real /tokenize answer: the previous json + Python check vs msgspec."""
+    body = {"model": "tiny", "prompt": prompt_text(10_000, words)}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"http://{address}/tokenize", json=body) as response,
+    ):
+        raw = await response.read()
+    assert json_and_python_check(raw) == decode_tokenize_answer(raw).tokens
+    before = min(timeit.repeat(lambda: json_and_python_check(raw), number=repeat, repeat=5))
+    after = min(timeit.repeat(lambda: decode_tokenize_answer(raw), number=repeat, repeat=5))
+    return {
+        "answer_bytes": len(raw),
+        "json_and_python_check_us": round(before / repeat * 1e6, 1),
+        "msgspec_us": round(after / repeat * 1e6, 1),
+        "msgspec_over_json": round(after / before, 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=400)
@@ -133,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                "--tokenizer", str(MODEL_DIR)]  # fmt: skip
         with process(sim, Path(tmp) / "sim.log"):
             wait_for(lambda: port_open(port), 30, "sim pod")
-            measured = asyncio.run(measure(f"127.0.0.1:{port}", args.prompts, args.words))
+            address = f"127.0.0.1:{port}"
+            measured = asyncio.run(measure(address, args.prompts, args.words))
+            measured["tokenize_answer_decoding"] = asyncio.run(answer_decoding(address, args.words))
     results = {
         "benchmark": "tokenize_paths",
         "what": "tokenizing prompts in the picker: a pod's /tokenize over HTTP (loopback, "
