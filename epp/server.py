@@ -129,19 +129,20 @@ class Exchange:
     async def handle(self, event: px.Event | None) -> list[px.Reply]:
         if self.request_mode is None:
             self.set_modes(None)
-        if isinstance(event, (px.ResponseBody, px.ResponseHeaders, px.ResponseTrailers)):
+        kind = type(event)
+        if kind is px.ResponseBody or kind is px.ResponseHeaders or kind is px.ResponseTrailers:
             try:
-                return self._on_response(event)
+                return self._on_response(event)  # type: ignore[arg-type]
             except Exception:
                 # The response already flows; never break it over bookkeeping.
                 log.exception("request %s: response bookkeeping failed", self.request_id or "?")
-                return [self._continue_response(event)]
+                return [self._continue_response(event)]  # type: ignore[arg-type]
         try:
-            if isinstance(event, px.RequestBody):
-                return await self._on_request_body(event)
-            if isinstance(event, px.RequestHeaders):
-                return await self._on_request_headers(event)
-            if isinstance(event, px.RequestTrailers):
+            if kind is px.RequestBody:
+                return await self._on_request_body(event)  # type: ignore[arg-type]
+            if kind is px.RequestHeaders:
+                return await self._on_request_headers(event)  # type: ignore[arg-type]
+            if kind is px.RequestTrailers:
                 return await self._on_request_trailers()
         except RequestError as error:
             return [self._refuse(error)]
@@ -262,10 +263,11 @@ class Exchange:
         return px.CONTINUE_RESPONSE_TRAILERS
 
     def _on_response(self, event: px.Event) -> list[px.Reply]:
-        if isinstance(event, px.ResponseBody):
-            return self._on_response_body(event)
-        if isinstance(event, px.ResponseHeaders):
-            return self._on_response_headers(event)
+        kind = type(event)
+        if kind is px.ResponseBody:
+            return self._on_response_body(event)  # type: ignore[arg-type]
+        if kind is px.ResponseHeaders:
+            return self._on_response_headers(event)  # type: ignore[arg-type]
         self._after = self._finish_ok
         return [px.CONTINUE_RESPONSE_TRAILERS]
 
