@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from prometheus_client import Counter
+
 from ..framework.lifecycle import FlowRequest
 from ..proto.access_log import ResponseRecord
 from .flow import RequestFlow
@@ -25,6 +27,18 @@ log = logging.getLogger(__name__)
 # Longer than any response is expected to last (Envoy's stream idle timeout is 300 s,
 # but a stream that keeps producing tokens can run longer).
 DEFAULT_MAX_AGE_S = 3600.0
+
+RECORDS_TOTAL = Counter(
+    "smart_epp_access_log_records_total",
+    "Envoy access-log records received, by whether they matched a request this picker routed",
+    ["result"],
+)
+EXPIRED_TOTAL = Counter(
+    "smart_epp_access_log_expired_total",
+    "Routed requests ended as lost because their access-log record never came",
+)
+_MATCHED = RECORDS_TOTAL.labels("matched")
+_UNMATCHED = RECORDS_TOTAL.labels("unmatched")
 
 
 class ResponseLog:
@@ -63,8 +77,11 @@ class ResponseLog:
         for record in records:
             tracked = self._take(record.request_id)
             if tracked is None:
+                # Fail-open requests, refused ones, or ones routed before a restart.
                 self.unmatched += 1
+                _UNMATCHED.inc()
                 continue
+            _MATCHED.inc()
             try:
                 self._end(tracked, record)
             except Exception:  # bookkeeping must never break the log stream
@@ -109,6 +126,7 @@ class ResponseLog:
         if ended:
             log.warning("%d routed requests got no access-log record; ended as lost", ended)
         self.expired += ended
+        EXPIRED_TOTAL.inc(ended)
         return ended
 
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from serve_stack import epp_process, wait_started
+from serve_stack import epp_process, sample, wait_started
 from support.backends import SSE_CHUNKS, echo_backends
 from support.envoy import async_running_envoy
+from support.net import async_wait_until
 
 pytestmark = pytest.mark.envoy
 
@@ -32,6 +33,18 @@ async def test_streams_complete_after_the_picker_is_killed(
                 async_running_envoy(epp_port=epp.grpc_port, failure_mode=failure_mode) as envoy,
                 aiohttp.ClientSession() as http,
             ):
+                # The access log reaches `epp serve`: a finished request's record matches.
+                async with http.post(
+                    f"{envoy.url}/v1/completions", json={"model": "tiny", "prompt": "hi"}
+                ) as response:
+                    assert response.status == 200
+
+                async def recorded() -> bool:
+                    page = await epp.metrics(http)
+                    name = "smart_epp_access_log_records_total"
+                    return sample(page, name, result="matched") == 1
+
+                await async_wait_until(recorded, 10, "the access-log record")
                 body = {"model": "tiny", "prompt": "long answer", "stream": True}
                 headers = {"x-sse-delay-ms": "250"}  # about 1.5 s per stream
                 responses = [
@@ -50,4 +63,4 @@ async def test_streams_complete_after_the_picker_is_killed(
                     assert text.endswith("data: [DONE]\n\n")
                     assert text.count('"text": "t') == SSE_CHUNKS
                 completions = [r for r in backend.received if r.path == "/v1/completions"]
-                assert len(completions) == STREAMS  # none was retried or lost
+                assert len(completions) == STREAMS + 1  # none was retried or lost
