@@ -77,7 +77,7 @@ class ResponseLog:
         for record in records:
             tracked = self._take(record.request_id)
             if tracked is None:
-                # Fail-open requests, refused ones, or ones routed before a restart.
+                # Routed by an earlier run of the picker (a restart), or by another one.
                 self.unmatched += 1
                 _UNMATCHED.inc()
                 continue

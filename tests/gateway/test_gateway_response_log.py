@@ -78,3 +78,16 @@ async def test_client_reset_mid_stream_is_not_ok_and_releases(body_mode: str) ->
         await async_wait_until(lambda: len(gw.scheduler.finished) == 1, what="outcome")
         assert gw.scheduler.finished[0].ok is False
         assert gw.server.response_log.unmatched == 0
+
+
+async def test_only_routed_requests_are_logged_to_the_picker() -> None:
+    async with gateway("full-duplex") as gw:
+        url = f"{gw.url}/v1/completions"
+        async with gw.http.post(url, data=b"{not json") as refused:
+            assert refused.status == 400
+        async with gw.http.post(url, json={"model": "tiny", "prompt": "ok"}) as response:
+            assert response.status == 200
+        # One Envoy worker sends its records in order: the refused request's would have
+        # come no later than the routed one's.
+        await async_wait_until(lambda: len(gw.scheduler.finished) == 1, what="outcome")
+        assert gw.server.response_log.unmatched == 0
