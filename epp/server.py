@@ -404,8 +404,12 @@ class EppServer:
         health_port: int | None = 9003,
         metrics_port: int | None = 9090,
         host: str = "0.0.0.0",
+        tls: grpc.ServerCredentials | None = None,
     ) -> None:
-        """Starts serving; a port of 0 picks a free one (see the *_port attributes)."""
+        """Starts serving; a port of 0 picks a free one (see the *_port attributes).
+
+        With `tls`, the ext_proc port serves TLS; the health port stays plaintext, as
+        kubelet's gRPC probe speaks it."""
         options = [
             ("grpc.so_reuseport", 0),
             # Envoy keeps one HTTP/2 connection with many streams; allow plenty of them.
@@ -416,15 +420,20 @@ class EppServer:
         px.add_ext_proc_service(self._grpc, self.process)
         access_log.add_logs_service(self._grpc, self.response_log.on_records)
         health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{host}:{grpc_port}")
+        bind = f"[{host}]" if ":" in host else host  # an IPv6 address such as ::
+        address = f"{bind}:{grpc_port}"
+        self.grpc_port = (
+            self._grpc.add_insecure_port(address)
+            if tls is None
+            else self._grpc.add_secure_port(address, tls)
+        )
         await self._grpc.start()
         if health_port is not None:
             self._health = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._health)
-            self.health_port = self._health.add_insecure_port(f"{host}:{health_port}")
+            self.health_port = self._health.add_insecure_port(f"{bind}:{health_port}")
             await self._health.start()
-        for service in HEALTH_SERVICES:
-            await self._health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self.set_serving(True)
         if metrics_port is not None:
             self.metrics_port = self.metrics.serve(metrics_port, host)
         self._expiry = asyncio.create_task(self._expire_overdue())
@@ -434,9 +443,16 @@ class EppServer:
             await asyncio.sleep(interval_s)
             self.response_log.expire()
 
-    async def stop(self, grace: float | None = 1.0) -> None:
+    async def set_serving(self, serving: bool) -> None:
+        """What every health service answers (NOT_SERVING: Envoy and kubelet stop sending)."""
+        status = health_pb2.HealthCheckResponse.SERVING
+        if not serving:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
         for service in HEALTH_SERVICES:
-            await self._health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self._health_servicer.set(service, status)
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        await self.set_serving(False)
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
