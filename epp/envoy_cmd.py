@@ -99,7 +99,13 @@ def render_envoy_config(options: EnvoyOptions) -> str:
         if not _is_ip(host):
             raise ValueError(f"fallback endpoints must be IP:PORT, got host {host!r}")
     replicas = epp_replicas(options)
+    # One cluster per replica for the access log when there are several, so each
+    # replica hears of the requests it routed (Envoy would balance one logger's batches).
+    log_clusters = [(f"epp_log_{i}", [r]) for i, r in enumerate(replicas)]
+    several = len(replicas) > 1 and options.response_path == "access-log"
     return environment.get_template(TEMPLATE.name).render(
+        epp_clusters=[("epp", replicas), *(log_clusters if several else [])],
+        access_log_clusters=[name for name, _ in log_clusters] if several else ["epp"],
         listen_address=options.listen_address,
         listen_port=options.listen_port,
         admin_port=options.admin_port,
