@@ -51,7 +51,12 @@ from smart_epp.benchmarks.replay.traces import (
     infinite_cache_hit_rate,
     load_trace,
 )
-from smart_epp.benchmarks.sim.profiles import DEFAULT_PROFILE, PROFILES, ProfileError, get_profile
+from smart_epp.benchmarks.sim.profiles import (
+    DEFAULT_PROFILE,
+    ProfileError,
+    builtin_names,
+    get_profile,
+)
 from smart_epp.benchmarks.sim.routing_latency import DEFAULT_ROUTING_LATENCY_S
 
 
@@ -68,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--profile",
         default=DEFAULT_PROFILE,
         metavar="NAME|FILE",
-        help=f"latency profile of the simulated pods: {', '.join(PROFILES)}, or a profile "
+        help=f"latency profile of the simulated pods: {', '.join(builtin_names())}, or a profile "
         "YAML file (default: %(default)s)",
     )
     p.add_argument(

@@ -19,6 +19,7 @@ four 7.5k-token ones; a linear-only model would favour exactly the routing that 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,10 @@ def prefill_token_pairs(new_tokens: int, context_before: int) -> float:
     return new_tokens * (context_before + new_tokens / 2)
 
 
+# libyaml's loader where the wheel has it: several times faster than the pure-Python one.
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 class _Dumper(yaml.SafeDumper):
     """Writes multi-line strings (a profile's source) as readable ``|`` blocks."""
 
@@ -122,32 +127,44 @@ def load_profile_file(path: Path) -> LatencyProfile:
     except OSError as exc:
         raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         raise ProfileError(f"{path}: not valid YAML: {exc}") from None
     return profile_from_mapping(data, str(path))
 
 
-def _load_builtins() -> dict[str, LatencyProfile]:
+def builtin_names() -> list[str]:
+    """Names of the built-in profiles, without loading them (for help texts)."""
+    return sorted(path.stem for path in BUILTIN_DIR.glob("*.yaml"))
+
+
+@functools.cache
+def builtin_profiles() -> dict[str, LatencyProfile]:
+    """The built-in profiles, loaded on first use: every `epp` command imports this module."""
     profiles = {}
-    for path in sorted(BUILTIN_DIR.glob("*.yaml")):
+    for name in builtin_names():
+        path = BUILTIN_DIR / f"{name}.yaml"
         profile = load_profile_file(path)
-        if profile.name != path.stem:
+        if profile.name != name:
             raise ProfileError(f"{path}: name {profile.name!r} differs from the file name")
-        profiles[profile.name] = profile
+        profiles[name] = profile
     return profiles
 
 
-PROFILES: dict[str, LatencyProfile] = _load_builtins()
+def __getattr__(name: str) -> Any:
+    if name == "PROFILES":  # the built-ins by name, loaded when first asked for
+        return builtin_profiles()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_profile(spec: str) -> LatencyProfile:
     """A built-in profile by name, or a profile YAML file by path."""
-    if spec in PROFILES:
-        return PROFILES[spec]
+    builtins = builtin_profiles()
+    if spec in builtins:
+        return builtins[spec]
     path = Path(spec)
     if path.suffix in (".yaml", ".yml") or path.exists():
         return load_profile_file(path)
     raise ProfileError(
-        f"unknown profile {spec!r}; known: {', '.join(PROFILES)} (or a profile YAML file)"
+        f"unknown profile {spec!r}; known: {', '.join(builtins)} (or a profile YAML file)"
     )
