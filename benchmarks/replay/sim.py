@@ -1,12 +1,12 @@
 """Discrete-event replay in virtual time: N simulated vLLM engines behind one router.
 
-The router is any `Scheduler` (smart-epp's real one, a peer policy, or the oracle). It
-learns about the pods only the way a gateway does in production:
+The router is any `Scheduler` (smart-epp's real one, a peer policy, or the full-information
+reference). It learns about the pods only the way a gateway does in production:
 - from KV-event batches each engine publishes after a step, encoded to msgpack by the
   simulator and decoded by smart-epp's real decoder, delivered `kv_event_delay_s` later;
 - from metrics snapshots taken every `scrape_interval_s`;
 - from its own bookkeeping of the requests it has in flight per pod.
-Only the explicit oracle reads the engines directly.
+Only the full-information reference reads the engines directly.
 
 Nothing reads a clock or an unseeded random source, so a seed fixes the result.
 """

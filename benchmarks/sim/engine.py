@@ -278,13 +278,15 @@ class SimEngine:
         self._pending_events = []
         scheduled = self._schedule(events)
         prefill_tokens = decode_seqs = context = 0
+        pairs = 0.0
         for r, n in scheduled:
             if n == 1 and r.num_computed >= r.num_prompt:
                 decode_seqs += 1
             else:  # a prompt chunk, or recomputing a preempted request's tokens
                 prefill_tokens += n
+                pairs += n * (r.num_computed + n / 2)
             context += r.num_computed + n
-        duration = self.profile.step_seconds(prefill_tokens, decode_seqs, context)
+        duration = self.profile.step_seconds(prefill_tokens, decode_seqs, context, pairs)
         end = now + duration
         progress = [p for r, n in scheduled if (p := self._advance(r, n, end)) is not None]
         return StepOutcome(now, duration, progress, events, prefill_tokens, decode_seqs)

@@ -47,8 +47,17 @@ class LatencyProfile:
     max_num_seqs: int = 256
     max_model_len: int = 32768
     source: str = ""
+    # Causal attention in prefill, per (new token x context token) pair: n new tokens after
+    # `cached` ones attend to n * (cached + n / 2) pairs.
+    prefill_attention_s_per_token_pair: float = 0.0
 
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+    def step_seconds(
+        self,
+        prefill_tokens: int,
+        decode_seqs: int,
+        context_tokens: int,
+        prefill_attention_pairs: float = 0.0,
+    ) -> float:
         if prefill_tokens == 0 and decode_seqs == 0:
             return 0.0
         return (
@@ -56,6 +65,7 @@ class LatencyProfile:
             + prefill_tokens * self.prefill_s_per_token
             + decode_seqs * self.decode_s_per_seq
             + context_tokens * self.attention_s_per_token
+            + prefill_attention_pairs * self.prefill_attention_s_per_token_pair
         )
 
 

@@ -1,8 +1,11 @@
-"""The oracle: predicted time to first token with perfect, instantaneous knowledge.
+"""full-information: a greedy predicted-TTFT router that reads the simulated engines.
 
-It reads every simulated engine directly — the real prefix cache, the real queues — which
-no gateway can do, so it bounds what a TTFT-predicting router could reach with perfect
-information. It exists only inside the replay simulation.
+It reads every simulated engine directly — the real prefix cache, the real queues, the
+profile's true step cost — which no gateway can do, and sends each request to the pod with
+the smallest predicted time to first token for that request alone. It is a reference for
+what better information buys a greedy TTFT heuristic, not a bound: it ignores what a
+placement does to later requests, and other policies can and do beat it. It exists only
+inside the replay simulation.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from smart_epp.benchmarks.sim.engine import SimEngine
 from smart_epp.epp.types import Decision, LLMRequest, PodState, Usage
 
 
-class Oracle(StatelessHooks):
-    name = "oracle"
+class FullInformation(StatelessHooks):
+    name = "full-information"
 
     def __init__(self, engines: Mapping[str, SimEngine]) -> None:
         self._engines = engines
@@ -30,21 +33,31 @@ class Oracle(StatelessHooks):
         engine.hasher.extend(digests, token_ids, (len(token_ids) - 1) // engine.block_size)
         return digests
 
-    def _queued_prefill(self, engine: SimEngine) -> int:
+    def _queued_prefill(self, engine: SimEngine) -> tuple[int, float]:
+        """Prompt tokens still to compute ahead of a new request, and their causal
+        attention pairs (n new tokens after c computed ones attend to n * (c + n / 2))."""
         bs = engine.block_size
         work = 0
+        pairs = 0.0
         for r in engine.running:
             if r.num_computed < r.num_prompt:
-                work += r.num_prompt - r.num_computed
+                n = r.num_prompt - r.num_computed
+                work += n
+                pairs += n * (r.num_computed + n / 2)
         for r in engine.waiting:
             digests = r.digests or self._digests.get(r.req.request_id, [])
             cached = len(engine.pool.longest_cached_prefix(digests)) * bs if digests else 0
-            work += max(1, r.num_prompt - r.num_computed - cached)
-        return work
+            done = max(r.num_computed, cached)
+            n = max(1, r.num_prompt - done)
+            work += n
+            pairs += n * (done + n / 2)
+        return work, pairs
 
-    def predict_ttft(self, engine: SimEngine, uncached_tokens: int) -> float:
+    def predict_ttft(self, engine: SimEngine, uncached_tokens: int, cached_tokens: int) -> float:
         prof = engine.profile
-        work = self._queued_prefill(engine) + uncached_tokens
+        work, pairs = self._queued_prefill(engine)
+        work += uncached_tokens
+        pairs += uncached_tokens * (cached_tokens + uncached_tokens / 2)
         steps = max(1, math.ceil(work / engine.max_num_batched_tokens))
         decoding = [r for r in engine.running if r.num_computed >= r.num_prompt]
         context = sum(len(r.tokens) for r in decoding)
@@ -53,7 +66,11 @@ class Oracle(StatelessHooks):
             + len(decoding) * prof.decode_s_per_seq
             + context * prof.attention_s_per_token
         )
-        return work * prof.prefill_s_per_token + steps * per_step
+        return (
+            work * prof.prefill_s_per_token
+            + pairs * prof.prefill_attention_s_per_token_pair
+            + steps * per_step
+        )
 
     async def schedule(self, request: LLMRequest, candidates: Sequence[PodState]) -> Decision:
         if not candidates:
@@ -66,7 +83,8 @@ class Oracle(StatelessHooks):
         for i, pod in enumerate(candidates):
             engine = self._engines[pod.address]
             cached = len(engine.pool.longest_cached_prefix(digests)) * engine.block_size
-            ttft = self.predict_ttft(engine, max(1, len(tokens) - cached))
+            uncached = max(1, len(tokens) - cached)
+            ttft = self.predict_ttft(engine, uncached, len(tokens) - uncached)
             scored.append((ttft, -cached, i, pod))
         scored.sort(key=lambda s: s[:3])
         explain = {s[3].address: {"predicted_ttft_s": s[0], "cached_tokens": -s[1]} for s in scored}
