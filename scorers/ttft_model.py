@@ -1,0 +1,258 @@
+"""An online model of one pool's time to first token, learned from the gateway's own view.
+
+Per pod, TTFT is modelled as linear in four features of the moment a request is sent:
+
+    ttft ~= c0                          fixed cost (scheduling, first step, network)
+          + c1 * tokens                 uncached prompt tokens to compute: the queue ahead
+                                        of the request plus its own (weights, per token)
+          + c2 * pairs                  causal attention pairs of that work: n new tokens
+                                        after `cached` ones attend to n * (cached + n / 2)
+          + c3 * running                decode batch sharing the prefill steps
+
+`tokens` and `pairs` are in thousands and millions so one prior scale suits every pod.
+The coefficients are fitted by recursive least squares with a forgetting factor (recent
+samples weigh more, so a pod that slows down is followed within a few dozen answers),
+projected onto c >= 0 after each update (no cost term can be negative), with residuals
+clipped at a multiple of their running scale (one preempted or paused request must not
+drag the fit) and the covariance kept within its prior (the state stays bounded even when
+the features do not vary). A pool-wide model learns from every pod's answers and is the
+prior of a pod seen for the first time, so a new pod starts from what its peers showed.
+
+Pure: no clock, no I/O; time arrives as arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TOKEN_UNIT = 1e3  # features in thousands of tokens ...
+PAIR_UNIT = 1e6  # ... and millions of attention pairs
+N_FEATURES = 4
+
+
+def attention_pairs(new_tokens: float, cached_tokens: float) -> float:
+    """Causal (query, key) pairs when `new_tokens` follow `cached_tokens` in prefill."""
+    return new_tokens * (cached_tokens + 0.5 * new_tokens)
+
+
+def features(tokens: float, pairs: float, running: float) -> np.ndarray:
+    return np.array([1.0, tokens / TOKEN_UNIT, pairs / PAIR_UNIT, running])
+
+
+@dataclass(frozen=True, slots=True)
+class Prior:
+    """Starting coefficients (seconds per feature unit) and how far one sample may move
+    them (standard deviations, same units)."""
+
+    coef: tuple[float, float, float, float]
+    sd: tuple[float, float, float, float]
+
+    @classmethod
+    def from_rates(
+        cls,
+        overhead_s: float,
+        prefill_tokens_per_s: float,
+        attention_s_per_pair: float,
+        running_step_s: float,
+    ) -> Prior:
+        coef = (
+            overhead_s,
+            TOKEN_UNIT / prefill_tokens_per_s,
+            attention_s_per_pair * PAIR_UNIT,
+            running_step_s,
+        )
+        # Each prior is uncertain to the scale of a plausible value of its term: an
+        # order of magnitude around a mid-range GPU (10k tokens/s prefill, 1e-9 s per
+        # attention pair, 1 ms per running request per step), so a handful of samples
+        # decide the fit and the prior only fills in what they cannot tell apart.
+        sd = (
+            max(overhead_s, 0.05),
+            max(coef[1], 0.1),
+            max(coef[2], 1e-2),
+            max(running_step_s, 1e-3),
+        )
+        return cls(coef, sd)
+
+
+@dataclass(slots=True)
+class LinearTTFT:
+    """Non-negative recursive least squares with forgetting on the four features."""
+
+    coef: np.ndarray
+    cov: np.ndarray
+    cov_limit: np.ndarray  # the prior covariance's diagonal: never exceeded
+    forgetting: float
+    samples: int = 0
+    residual_scale: float = 0.0  # running mean |residual|, seconds
+    # Plain floats of `coef` for the scoring loop (numpy scalars are slow one at a time).
+    c: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+
+    @classmethod
+    def from_prior(cls, prior: Prior, forgetting: float) -> LinearTTFT:
+        coef = np.array(prior.coef, dtype=float)
+        var = np.square(np.array(prior.sd, dtype=float))
+        model = cls(coef, np.diag(var), var, forgetting)
+        model._sync()
+        return model
+
+    def copy(self) -> LinearTTFT:
+        return LinearTTFT(
+            self.coef.copy(),
+            self.cov.copy(),
+            self.cov_limit,
+            self.forgetting,
+            0,
+            self.residual_scale,
+            self.c,
+        )
+
+    def _sync(self) -> None:
+        c = self.coef
+        self.c = (float(c[0]), float(c[1]), float(c[2]), float(c[3]))
+
+    def predict(self, tokens: float, pairs: float, running: float) -> float:
+        c0, c1, c2, c3 = self.c
+        return c0 + c1 * tokens / TOKEN_UNIT + c2 * pairs / PAIR_UNIT + c3 * running
+
+    def observe(self, ttft_s: float, tokens: float, pairs: float, running: float) -> None:
+        x = features(tokens, pairs, running)
+        residual = ttft_s - float(self.coef @ x)
+        # Residuals beyond 4x their running scale are clipped: enough to follow a real
+        # change over a few samples, not enough for one outlier to flip the fit.
+        if self.samples >= 4 and self.residual_scale > 0:
+            bound = 4.0 * self.residual_scale
+            residual = min(bound, max(-bound, residual))
+        lam = self.forgetting
+        px = self.cov @ x
+        gain = px / (lam + float(x @ px))
+        self.coef = np.maximum(self.coef + gain * residual, 0.0)
+        cov = (self.cov - np.outer(gain, px)) / lam
+        # Forgetting inflates the covariance along directions the features never
+        # explore; holding each variance within its prior keeps the state bounded.
+        diag = np.diag(cov)
+        over = diag > self.cov_limit
+        if over.any():
+            scale = np.sqrt(np.where(over, self.cov_limit / diag, 1.0))
+            cov = cov * np.outer(scale, scale)
+        self.cov = 0.5 * (cov + cov.T)
+        self.samples += 1
+        self.residual_scale += (abs(residual) - self.residual_scale) / min(self.samples, 32)
+        self._sync()
+
+
+@dataclass(slots=True)
+class Inflight:
+    """A request sent to a pod and not answered yet: its own prefill work."""
+
+    tokens: float
+    pairs: float
+    routed_at: float
+    prefill_s: float  # its own predicted prefill time
+    done_at: float  # when the model expected its first token
+    admitted_at: float | None = None  # the first scrape that no longer counted it waiting
+
+
+@dataclass(slots=True)
+class PodQueue:
+    """The requests this gateway sent a pod and has not seen answered, in sending order."""
+
+    items: dict[str, Inflight] = field(default_factory=dict)
+
+    def ahead(self, now: float, waiting: int | None, scraped_at: float) -> tuple[float, float, int]:
+        """(tokens, attention pairs, requests) of prefill still ahead of a new request.
+
+        With a scrape, the pod says how many requests were waiting then: vLLM admits in
+        arrival order, so they are the newest of this gateway's requests sent before it,
+        and every request sent since is waiting too. Without one (`waiting` None), each
+        request is taken to drain over its own predicted prefill, ending at its
+        predicted first token.
+        """
+        tokens = pairs = 0.0
+        count = 0
+        if waiting is None:
+            for item in self.items.values():
+                left = item.done_at - now
+                if left <= 0:
+                    continue
+                frac = 1.0 if left >= item.prefill_s else left / item.prefill_s
+                tokens += frac * item.tokens
+                pairs += frac * item.pairs
+                count += 1
+            return tokens, pairs, count
+        for item in reversed(self.items.values()):
+            if item.routed_at <= scraped_at:
+                if waiting > 0:
+                    waiting -= 1
+                else:
+                    # Admitted by the time of the scrape, so perhaps part-way through a
+                    # long (chunked) prefill: what its own predicted prefill has left.
+                    # Older requests were admitted earlier, so the first one done ends
+                    # the search.
+                    if item.admitted_at is None:
+                        item.admitted_at = scraped_at
+                    left = item.admitted_at + item.prefill_s - now
+                    if left <= 0:
+                        break
+                    frac = left / item.prefill_s
+                    tokens += frac * item.tokens
+                    pairs += frac * item.pairs
+                    continue
+            tokens += item.tokens
+            pairs += item.pairs
+            count += 1
+        return tokens, pairs, count
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What was ahead of a request on its pod when it was sent: the learner's features."""
+
+    tokens_ahead: float
+    pairs_ahead: float
+    running: float
+
+
+class TTFTLearner:
+    """Per-pod TTFT models plus the pool-wide prior they start from, with bounded state."""
+
+    def __init__(self, prior: Prior, forgetting: float = 0.97, max_pods: int = 4096) -> None:
+        self.prior = prior
+        self.forgetting = forgetting
+        self.max_pods = max_pods
+        self.pool = LinearTTFT.from_prior(prior, forgetting)
+        self.pods: dict[str, LinearTTFT] = {}
+
+    def model(self, address: str) -> LinearTTFT:
+        """The pod's model once it has answered, else the pool's."""
+        return self.pods.get(address) or self.pool
+
+    def observe(
+        self,
+        address: str,
+        ttft_s: float,
+        prompt_tokens: int,
+        cached_tokens: int,
+        ahead: Snapshot,
+    ) -> None:
+        """One answered request: its measured TTFT, its prompt and cached tokens, and what
+        was ahead of it on the pod when it was sent."""
+        if ttft_s <= 0 or prompt_tokens <= 0:
+            return
+        cached = min(max(0, cached_tokens), prompt_tokens - 1)
+        own = float(prompt_tokens - cached)
+        tokens = ahead.tokens_ahead + own
+        pairs = ahead.pairs_ahead + attention_pairs(own, cached)
+        model = self.pods.get(address)
+        if model is None:
+            if len(self.pods) >= self.max_pods:
+                self.pods.pop(next(iter(self.pods)))
+            model = self.pods[address] = self.pool.copy()
+        model.observe(ttft_s, tokens, pairs, ahead.running)
+        self.pool.observe(ttft_s, tokens, pairs, ahead.running)
+
+    def coefficients(self, address: str) -> Sequence[float]:
+        """(s, s per 1k tokens, s per 1M pairs, s per running request) for the pod."""
+        return self.model(address).c
