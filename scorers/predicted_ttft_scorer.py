@@ -25,13 +25,15 @@ cached tokens come from the response's `usage.prompt_tokens_details.cached_token
 present, else from the index's prediction. Requests that waited for an adapter load or
 for KV space are not learned from: those waits are separate terms.
 
-Ranking: cost = ttft + `congestionWeight` x pool queue x own prefill time, where the pool
-queue is the mean number of requests queued per candidate pod. The second term is the
-prefill time this placement adds to the pool, valued at how many requests are waiting for
-the pool's prefill capacity: with idle pods it is nothing and the request goes wherever it
-is answered first (its cached prefix, unless that pod is busy); as queues build, a cache
-miss delays more requests, so cached placements win more often instead of less — the
-opposite of the spread -> fewer hits -> more work loop a TTFT-only ranking falls into.
+Ranking: cost = ttft + `congestionWeight` x queued requests x own prefill time. The
+second term is the prefill time this placement adds to the pod, valued at the requests it
+delays: those that will queue behind it there, about as many as are queued now. On an
+idle pod it is nothing and the request goes wherever it is answered first (its cached
+prefix, unless that pod is busy); on a busy pod a cache miss costs every request behind
+it, so a busy pool keeps misses off its busy pods instead of trading cache hits for a
+queue that is a little shorter (the spread -> fewer hits -> more work loop that a
+TTFT-only ranking falls into). Valuing it at the pool's mean queue instead, or not at
+all, was measured too (README, "Routing policies").
 
 vLLM always computes the prompt's last token, so a pod reuses at most
 (prompt - 1) // block_size full blocks, however much of the prompt it holds.
@@ -327,25 +329,24 @@ class PredictedTTFTScorer(Scorer):
             uncached = prompt - hit_tokens
             pairs = uncached * (hit_tokens + 0.5 * uncached)
             waiting = 0
-            if ok and m.waiting and m.scraped_at > 0.0:
+            if ok and m.waiting:
                 waiting = m.waiting
-                if model is not None:
+                if model is not None and m.scraped_at > 0.0:
                     # Requests that ended after the scrape had left the queue by then.
                     waiting = max(0, waiting - model.finished_since(m.scraped_at))
             if model is not None and model.queue.items:
-                tokens_ahead, pairs_ahead, queued = model.queue.ahead(
+                tokens_ahead, pairs_ahead, queued, others = model.queue.ahead(
                     now, waiting if ok and m.scraped_at > 0.0 else None, m.scraped_at
                 )
             else:
                 tokens_ahead = pairs_ahead = 0.0
                 queued = 0
-            own_waiting = queued
-            if waiting > own_waiting:
-                # Requests other gateways sent: at the mean request's size.
-                extra = waiting - own_waiting
-                tokens_ahead += extra * mean_tokens
-                pairs_ahead += extra * mean_pairs
-                queued += extra
+                others = waiting
+            if others > 0:
+                # Waiting requests this gateway did not send: at the mean request's size.
+                tokens_ahead += others * mean_tokens
+                pairs_ahead += others * mean_pairs
+                queued += others
             # Between scrapes the gateway's own sends are the freshest count of the batch.
             inflight = pod.inflight.requests
             running = float(max(m.running, inflight - m.waiting) if ok else inflight)
@@ -402,9 +403,10 @@ class PredictedTTFTScorer(Scorer):
                     hit_tokens=hit_tokens,
                     queued=float(queued),
                 )
-        # The prefill a placement adds, valued at the requests queued per pod in the pool.
-        pressure = p.congestionWeight * sum(queued_list) / len(queued_list) if pods else 0.0
-        costs = [t + pressure * o for t, o in zip(ttfts, own_s, strict=True)]
+        # The prefill a placement adds delays the requests that queue behind it there:
+        # about as many as are queued now (Little's law at a steady arrival rate).
+        weight = p.congestionWeight
+        costs = [t + weight * q * o for t, o, q in zip(ttfts, own_s, queued_list, strict=True)]
         if explain is not None:
             for pod, t, cost in zip(pods, ttfts, costs, strict=True):
                 explain[pod.endpoint.address]["congestion_s"] = cost - t

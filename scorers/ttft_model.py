@@ -31,6 +31,9 @@ import numpy as np
 TOKEN_UNIT = 1e3  # features in thousands of tokens ...
 PAIR_UNIT = 1e6  # ... and millions of attention pairs
 N_FEATURES = 4
+# The spread of one TTFT around its prediction, relative to it (batching, chunk boundaries,
+# scrape timing): it sets how far one sample moves the fit against the prior.
+RELATIVE_NOISE = 0.2
 
 
 def attention_pairs(new_tokens: float, cached_tokens: float) -> float:
@@ -83,10 +86,11 @@ class LinearTTFT:
 
     coef: np.ndarray
     cov: np.ndarray
-    cov_limit: np.ndarray  # the prior covariance's diagonal: never exceeded
+    cov_limit: np.ndarray  # the prior variances: never exceeded unless a coefficient is larger
     forgetting: float
     samples: int = 0
-    residual_scale: float = 0.0  # running mean |residual|, seconds
+    residual_scale: float = 0.0  # running mean |relative residual|
+    bias: float = 0.0  # running mean relative residual, signed
     # Plain floats of `coef` for the scoring loop (numpy scalars are slow one at a time).
     c: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
@@ -99,15 +103,23 @@ class LinearTTFT:
         return model
 
     def copy(self) -> LinearTTFT:
+        """The same coefficients with the prior's uncertainty: a start for another pod,
+        which may well differ from the pool it is compared with."""
         return LinearTTFT(
             self.coef.copy(),
-            self.cov.copy(),
+            np.diag(self._variance_limit()),
             self.cov_limit,
             self.forgetting,
             0,
             self.residual_scale,
+            0.0,
             self.c,
         )
+
+    def _variance_limit(self) -> np.ndarray:
+        """Most uncertainty allowed per coefficient: the prior's, or its own size when
+        larger, so a pod far from the prior can still move by its own scale."""
+        return np.maximum(self.cov_limit, np.square(self.coef))
 
     def _sync(self) -> None:
         c = self.coef
@@ -119,12 +131,23 @@ class LinearTTFT:
 
     def observe(self, ttft_s: float, tokens: float, pairs: float, running: float) -> None:
         x = features(tokens, pairs, running)
-        residual = ttft_s - float(self.coef @ x)
-        # Residuals beyond 4x their running scale are clipped: enough to follow a real
-        # change over a few samples, not enough for one outlier to flip the fit.
-        if self.samples >= 4 and self.residual_scale > 0:
-            bound = 4.0 * self.residual_scale
+        predicted = float(self.coef @ x)
+        # Relative errors: a 30 s TTFT off by 1 s and a 30 ms one off by 1 ms weigh the
+        # same, so long prompts do not drown out the short ones.
+        weight = 1.0 / (RELATIVE_NOISE * max(predicted, 1e-3))
+        x = x * weight
+        residual = (ttft_s - predicted) * weight
+        # Residuals beyond 4x their running scale (and beyond 100%) are clipped: a real
+        # change still moves the fit within a few samples, one outlier cannot flip it.
+        if self.samples >= 4:
+            bound = max(4.0 * self.residual_scale, 1.0 / RELATIVE_NOISE)
             residual = min(bound, max(-bound, residual))
+        # A run of errors of one sign means the pod changed (slower, faster, a different
+        # model): forget the old fit's confidence so the next samples decide.
+        self.bias += 0.2 * (residual - self.bias)
+        if self.samples >= 3 and abs(self.bias) > 0.25 / RELATIVE_NOISE:
+            self.cov = np.diag(self._variance_limit())
+            self.bias = 0.0
         lam = self.forgetting
         px = self.cov @ x
         gain = px / (lam + float(x @ px))
@@ -133,9 +156,10 @@ class LinearTTFT:
         # Forgetting inflates the covariance along directions the features never
         # explore; holding each variance within its prior keeps the state bounded.
         diag = np.diag(cov)
-        over = diag > self.cov_limit
+        limit = self._variance_limit()
+        over = diag > limit
         if over.any():
-            scale = np.sqrt(np.where(over, self.cov_limit / diag, 1.0))
+            scale = np.sqrt(np.where(over, limit / diag, 1.0))
             cov = cov * np.outer(scale, scale)
         self.cov = 0.5 * (cov + cov.T)
         self.samples += 1
@@ -161,8 +185,11 @@ class PodQueue:
 
     items: dict[str, Inflight] = field(default_factory=dict)
 
-    def ahead(self, now: float, waiting: int | None, scraped_at: float) -> tuple[float, float, int]:
-        """(tokens, attention pairs, requests) of prefill still ahead of a new request.
+    def ahead(
+        self, now: float, waiting: int | None, scraped_at: float
+    ) -> tuple[float, float, int, int]:
+        """(tokens, attention pairs, requests) of prefill still ahead of a new request, and
+        how many of the scraped waiting requests were not this gateway's.
 
         With a scrape, the pod says how many requests were waiting then: vLLM admits in
         arrival order, so they are the newest of this gateway's requests sent before it,
@@ -181,7 +208,7 @@ class PodQueue:
                 tokens += frac * item.tokens
                 pairs += frac * item.pairs
                 count += 1
-            return tokens, pairs, count
+            return tokens, pairs, count, 0
         for item in reversed(self.items.values()):
             if item.routed_at <= scraped_at:
                 if waiting > 0:
@@ -203,7 +230,7 @@ class PodQueue:
             tokens += item.tokens
             pairs += item.pairs
             count += 1
-        return tokens, pairs, count
+        return tokens, pairs, count, waiting
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,16 +245,21 @@ class Snapshot:
 class TTFTLearner:
     """Per-pod TTFT models plus the pool-wide prior they start from, with bounded state."""
 
-    def __init__(self, prior: Prior, forgetting: float = 0.97, max_pods: int = 4096) -> None:
+    def __init__(
+        self, prior: Prior, forgetting: float = 0.97, max_pods: int = 4096, own_after: int = 8
+    ) -> None:
         self.prior = prior
         self.forgetting = forgetting
+        self.own_after = own_after
         self.max_pods = max_pods
         self.pool = LinearTTFT.from_prior(prior, forgetting)
         self.pods: dict[str, LinearTTFT] = {}
 
     def model(self, address: str) -> LinearTTFT:
-        """The pod's model once it has answered, else the pool's."""
-        return self.pods.get(address) or self.pool
+        """The pod's own fit once it rests on `own_after` answers, else the pool's: a
+        handful of samples tells a pod's noise more than its speed."""
+        own = self.pods.get(address)
+        return own if own is not None and own.samples >= self.own_after else self.pool
 
     def observe(
         self,
