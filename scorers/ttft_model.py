@@ -200,10 +200,12 @@ class PodQueue:
         tokens = pairs = 0.0
         count = 0
         if waiting is None:
-            for item in self.items.values():
+            # Newest first: predicted first tokens come in sending order, so the first
+            # one already past ends the search.
+            for item in reversed(self.items.values()):
                 left = item.done_at - now
                 if left <= 0:
-                    continue
+                    break
                 frac = 1.0 if left >= item.prefill_s else left / item.prefill_s
                 tokens += frac * item.tokens
                 pairs += frac * item.pairs
