@@ -10,8 +10,9 @@ over pods / prefill_s_per_token, before any cache hit} x prefill attention per t
 {0, the profile value, 2x it}. Each cell replays the same requests, arrivals and seed for
 every policy in the discrete-event simulator (`epp replay`'s engine, virtual time).
 
-Cells are small on purpose (a few hundred requests on a few pods) so the whole grid runs in
-minutes on a shared 2-core machine: a cell is a sample, not a long-run average, and its
+Cells are small on purpose (200 requests on 4 pods by default, 27 cells x 8 policies) so
+the grid fits a shared machine: it took 27 minutes with --jobs 2 on this project's 2-core
+machine at a load average near 20. A cell is a sample, not a long-run average, and its
 numbers move with the seed. Writes `benchmarks/results/policy_grid.json` and a heat map of
 each policy's TTFT p90 relative to the best policy of its cell
 (`benchmarks/results/policy_grid_ttft_p90.png`).
@@ -245,7 +246,7 @@ def goals(cells: dict[str, dict[str, Any]], policy: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=300, help="requests per cell")
+    ap.add_argument("--requests", type=int, default=200, help="requests per cell")
     ap.add_argument("--pods", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=2, help="cells run in parallel")
