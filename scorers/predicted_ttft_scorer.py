@@ -108,8 +108,11 @@ class PodModel:
     finished_at: deque[float] = field(default_factory=lambda: deque(maxlen=256))
 
     def finished_since(self, t: float) -> int:
+        finished = self.finished_at
+        if not finished or finished[-1] <= t:
+            return 0
         n = 0
-        for done in reversed(self.finished_at):
+        for done in reversed(finished):
             if done <= t:
                 break
             n += 1
@@ -131,8 +134,10 @@ class Prediction:
     ttft_s: list[float]
     cost_s: list[float]
     hit_tokens: list[float]
-    own: list[Inflight]  # the request's own prefill on each pod, as queued if sent there
-    ahead: list[Snapshot]
+    # Per pod, as plain tuples (objects are built for the chosen pod only): the request's
+    # own prefill (tokens, pairs, prefill_s) and what is ahead (tokens, pairs, running).
+    own: list[tuple[float, float, float]]
+    ahead: list[tuple[float, float, float]]
     learnable: list[bool]
     chunk_keys: list[int]
 
@@ -299,15 +304,19 @@ class PredictedTTFTScorer(Scorer):
         own_s: list[float] = []
         queued_list: list[float] = []
         hit_list: list[float] = []
-        own_list: list[Inflight] = []
-        ahead_list: list[Snapshot] = []
+        own_list: list[tuple[float, float, float]] = []
+        ahead_list: list[tuple[float, float, float]] = []
+        pod_fits = learner.pods
+        own_after = learner.own_after
+        pool_c = learner.pool.c
         learnable_list: list[bool] = []
         for pod in pods:
             address = pod.endpoint.address
             m = pod.metrics
             ok = m.scraped_at == 0.0 or now - m.scraped_at <= stale_after
             model = models.get(address)
-            c0, c1, c2, c3 = learner.model(address).c
+            fit = pod_fits.get(address)
+            c0, c1, c2, c3 = fit.c if fit is not None and fit.samples >= own_after else pool_c
             hit_tokens = 0.0
             cpu_s = 0.0
             held = hits.get(address)
@@ -389,8 +398,8 @@ class PredictedTTFTScorer(Scorer):
             own_s.append(prefill_s + cpu_s)
             queued_list.append(float(queued))
             hit_list.append(hit_tokens)
-            own_list.append(Inflight(uncached, pairs, now, max(prefill_s, 1e-6), now + ttft))
-            ahead_list.append(Snapshot(tokens_ahead, pairs_ahead, running))
+            own_list.append((uncached, pairs, prefill_s))
+            ahead_list.append((tokens_ahead, pairs_ahead, running))
             learnable_list.append(not needs_slot and not kv_tight)
             if explain is not None:
                 explain.setdefault(address, {}).update(
@@ -437,16 +446,19 @@ class PredictedTTFTScorer(Scorer):
         if model is None:
             model = self.pods[address] = PodModel()
         request_id = ctx.request.request_id
-        model.queue.items[request_id] = prediction.own[i]
+        tokens, pairs, prefill_s = prediction.own[i]
+        now = ctx.now
+        model.queue.items[request_id] = Inflight(
+            tokens, pairs, now, max(prefill_s, 1e-6), now + prediction.ttft_s[i]
+        )
         self.routed_prefixes.add(prediction.chunk_keys, address, ctx.now)
         alpha = self.params.learningRate
-        own = prediction.own[i]
-        self.mean_uncached_tokens = _ewma(self.mean_uncached_tokens, max(1.0, own.tokens), alpha)
-        self.mean_uncached_pairs = _ewma(self.mean_uncached_pairs, own.pairs, alpha)
+        self.mean_uncached_tokens = _ewma(self.mean_uncached_tokens, max(1.0, tokens), alpha)
+        self.mean_uncached_pairs = _ewma(self.mean_uncached_pairs, pairs, alpha)
         self.mean_prompt_tokens = _ewma(self.mean_prompt_tokens, float(ctx.prompt_tokens), alpha)
         self._pending[request_id] = Routed(
             address,
-            prediction.ahead[i],
+            Snapshot(*prediction.ahead[i]),
             prediction.hit_tokens[i],
             ctx.now,
             learnable=prediction.learnable[i],
