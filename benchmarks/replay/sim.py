@@ -32,6 +32,7 @@ from smart_epp.benchmarks.sim.engine import (
 )
 from smart_epp.benchmarks.sim.kv_events import encode_batch
 from smart_epp.benchmarks.sim.profiles import DEFAULT_PROFILE, get_profile
+from smart_epp.benchmarks.sim.routing_latency import DEFAULT_ROUTING_LATENCY_S
 from smart_epp.epp.scheduler_api import Scheduler
 from smart_epp.epp.types import Api, Endpoint, LLMRequest, PodMetrics, PodState, Usage
 
@@ -49,6 +50,7 @@ class SimConfig:
     max_model_len: int | None = None  # None: the profile's limit
     model: str = DEFAULT_MODEL
     num_blocks: int | None = None  # None: the profile's KV capacity
+    routing_latency_s: float = DEFAULT_ROUTING_LATENCY_S  # tokenization + decision
 
 
 @dataclass(slots=True)
@@ -104,7 +106,7 @@ class SimPool:
 
     def scrape(self, now: float) -> None:
         for address, engine in self.engines.items():
-            _copy_metrics(engine.snapshot_metrics(), engine, self.states[address].metrics, now)
+            _copy_metrics(engine.snapshot_metrics(now), engine, self.states[address].metrics, now)
 
 
 def _copy_metrics(m: EngineMetrics, engine: SimEngine, out: PodMetrics, now: float) -> None:
@@ -189,7 +191,9 @@ class Simulation:
                 stage=stages[i] if stages is not None else None,
             )
             results.append(result)
-            self._push(arrivals[i], _ARRIVAL, (req, result))
+            # The router decides, and the pod receives, once tokenization and the decision
+            # are done; TTFT still counts from the client's arrival.
+            self._push(arrivals[i] + self.config.routing_latency_s, _ARRIVAL, (req, result))
         self._pending = len(requests)
         self.pool.scrape(0.0)
         if requests:
@@ -249,14 +253,15 @@ class Simulation:
         )
         try:
             engine.add_request(sim_req, self.now)
-        except RequestRejected:
+        except RequestRejected as exc:
+            result.error = exc.reason
             self._fail(result, 400)
             self.policy.scheduler.on_response(llm, address, None, None, False)
             return
         inflight = chosen.inflight
         inflight.requests += 1
         inflight.prompt_tokens += req.input_tokens
-        self._tracked[llm.request_id] = _Tracked(req, llm, result, self.now)
+        self._tracked[llm.request_id] = _Tracked(req, llm, result, result.arrival_s)
         if not self._busy[address]:
             self._busy[address] = True
             self._push(self.now, _STEP_START, address)

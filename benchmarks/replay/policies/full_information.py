@@ -34,43 +34,40 @@ class FullInformation(StatelessHooks):
         return digests
 
     def _queued_prefill(self, engine: SimEngine) -> tuple[int, float]:
-        """Prompt tokens still to compute ahead of a new request, and their causal
-        attention pairs (n new tokens after c computed ones attend to n * (c + n / 2))."""
+        """Prefill tokens and seconds of the work already on ``engine`` (running and queued)."""
+        prof = engine.profile
         bs = engine.block_size
-        work = 0
-        pairs = 0.0
+        tokens, seconds = 0, 0.0
         for r in engine.running:
             if r.num_computed < r.num_prompt:
                 n = r.num_prompt - r.num_computed
-                work += n
-                pairs += n * (r.num_computed + n / 2)
+                tokens += n
+                seconds += prof.prefill_seconds(n, r.num_computed)
         for r in engine.waiting:
             digests = r.digests or self._digests.get(r.req.request_id, [])
             cached = len(engine.pool.longest_cached_prefix(digests)) * bs if digests else 0
             done = max(r.num_computed, cached)
             n = max(1, r.num_prompt - done)
-            work += n
-            pairs += n * (done + n / 2)
-        return work, pairs
+            tokens += n
+            seconds += prof.prefill_seconds(n, done)
+        return tokens, seconds
 
-    def predict_ttft(self, engine: SimEngine, uncached_tokens: int, cached_tokens: int) -> float:
+    def predict_ttft(
+        self, engine: SimEngine, uncached_tokens: int, cached_tokens: int = 0
+    ) -> float:
         prof = engine.profile
-        work, pairs = self._queued_prefill(engine)
-        work += uncached_tokens
-        pairs += uncached_tokens * (cached_tokens + uncached_tokens / 2)
-        steps = max(1, math.ceil(work / engine.max_num_batched_tokens))
+        queued_tokens, queued_s = self._queued_prefill(engine)
+        work_s = queued_s + prof.prefill_seconds(uncached_tokens, cached_tokens)
+        work_tokens = queued_tokens + uncached_tokens
+        steps = max(1, math.ceil(work_tokens / engine.max_num_batched_tokens))
         decoding = [r for r in engine.running if r.num_computed >= r.num_prompt]
         context = sum(len(r.tokens) for r in decoding)
         per_step = (
-            prof.overhead_s
+            prof.step_overhead_s
             + len(decoding) * prof.decode_s_per_seq
-            + context * prof.attention_s_per_token
+            + context * prof.decode_kv_read_s_per_token
         )
-        return (
-            work * prof.prefill_s_per_token
-            + pairs * prof.prefill_attention_s_per_token_pair
-            + steps * per_step
-        )
+        return work_s + steps * per_step
 
     async def schedule(self, request: LLMRequest, candidates: Sequence[PodState]) -> Decision:
         if not candidates:
@@ -83,8 +80,7 @@ class FullInformation(StatelessHooks):
         for i, pod in enumerate(candidates):
             engine = self._engines[pod.address]
             cached = len(engine.pool.longest_cached_prefix(digests)) * engine.block_size
-            uncached = max(1, len(tokens) - cached)
-            ttft = self.predict_ttft(engine, uncached, len(tokens) - uncached)
+            ttft = self.predict_ttft(engine, max(1, len(tokens) - cached), cached)
             scored.append((ttft, -cached, i, pod))
         scored.sort(key=lambda s: s[:3])
         explain = {s[3].address: {"predicted_ttft_s": s[0], "cached_tokens": -s[1]} for s in scored}
