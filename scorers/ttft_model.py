@@ -26,8 +26,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 TOKEN_UNIT = 1e3  # features in thousands of tokens ...
 PAIR_UNIT = 1e6  # ... and millions of attention pairs
 N_FEATURES = 4
@@ -41,8 +39,8 @@ def attention_pairs(new_tokens: float, cached_tokens: float) -> float:
     return new_tokens * (cached_tokens + 0.5 * new_tokens)
 
 
-def features(tokens: float, pairs: float, running: float) -> np.ndarray:
-    return np.array([1.0, tokens / TOKEN_UNIT, pairs / PAIR_UNIT, running])
+def features(tokens: float, pairs: float, running: float) -> list[float]:
+    return [1.0, tokens / TOKEN_UNIT, pairs / PAIR_UNIT, running]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,25 +78,35 @@ class Prior:
         return cls(coef, sd)
 
 
+Vector = list[float]
+Matrix = list[list[float]]
+
+
+def _diagonal(values: Vector) -> Matrix:
+    return [[v if i == j else 0.0 for j in range(N_FEATURES)] for i, v in enumerate(values)]
+
+
 @dataclass(slots=True)
 class LinearTTFT:
-    """Non-negative recursive least squares with forgetting on the four features."""
+    """Non-negative recursive least squares with forgetting on the four features.
 
-    coef: np.ndarray
-    cov: np.ndarray
-    cov_limit: np.ndarray  # the prior variances: never exceeded unless a coefficient is larger
+    Plain Python on 4-vectors: one update per answered request, no array library in the
+    gateway's start-up path."""
+
+    coef: Vector
+    cov: Matrix
+    cov_limit: Vector  # the prior variances: never exceeded unless a coefficient is larger
     forgetting: float
     samples: int = 0
     residual_scale: float = 0.0  # running mean |relative residual|
     bias: float = 0.0  # running mean relative residual, signed
-    # Plain floats of `coef` for the scoring loop (numpy scalars are slow one at a time).
+    # `coef` as a tuple for the scoring loop.
     c: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     @classmethod
     def from_prior(cls, prior: Prior, forgetting: float) -> LinearTTFT:
-        coef = np.array(prior.coef, dtype=float)
-        var = np.square(np.array(prior.sd, dtype=float))
-        model = cls(coef, np.diag(var), var, forgetting)
+        var = [sd * sd for sd in prior.sd]
+        model = cls(list(prior.coef), _diagonal(var), var, forgetting)
         model._sync()
         return model
 
@@ -106,8 +114,8 @@ class LinearTTFT:
         """The same coefficients with the prior's uncertainty: a start for another pod,
         which may well differ from the pool it is compared with."""
         return LinearTTFT(
-            self.coef.copy(),
-            np.diag(self._variance_limit()),
+            list(self.coef),
+            _diagonal(self._variance_limit()),
             self.cov_limit,
             self.forgetting,
             0,
@@ -116,14 +124,14 @@ class LinearTTFT:
             self.c,
         )
 
-    def _variance_limit(self) -> np.ndarray:
+    def _variance_limit(self) -> Vector:
         """Most uncertainty allowed per coefficient: the prior's, or its own size when
         larger, so a pod far from the prior can still move by its own scale."""
-        return np.maximum(self.cov_limit, np.square(self.coef))
+        return [max(lim, c * c) for lim, c in zip(self.cov_limit, self.coef, strict=True)]
 
     def _sync(self) -> None:
         c = self.coef
-        self.c = (float(c[0]), float(c[1]), float(c[2]), float(c[3]))
+        self.c = (c[0], c[1], c[2], c[3])
 
     def predict(self, tokens: float, pairs: float, running: float) -> float:
         c0, c1, c2, c3 = self.c
@@ -131,11 +139,11 @@ class LinearTTFT:
 
     def observe(self, ttft_s: float, tokens: float, pairs: float, running: float) -> None:
         x = features(tokens, pairs, running)
-        predicted = float(self.coef @ x)
+        predicted = sum(c * v for c, v in zip(self.coef, x, strict=True))
         # Relative errors: a 30 s TTFT off by 1 s and a 30 ms one off by 1 ms weigh the
         # same, so long prompts do not drown out the short ones.
         weight = 1.0 / (RELATIVE_NOISE * max(predicted, 1e-3))
-        x = x * weight
+        x = [v * weight for v in x]
         residual = (ttft_s - predicted) * weight
         # Residuals beyond 4x their running scale (and beyond 100%) are clipped: a real
         # change still moves the fit within a few samples, one outlier cannot flip it.
@@ -146,22 +154,24 @@ class LinearTTFT:
         # model): forget the old fit's confidence so the next samples decide.
         self.bias += 0.2 * (residual - self.bias)
         if self.samples >= 3 and abs(self.bias) > 0.25 / RELATIVE_NOISE:
-            self.cov = np.diag(self._variance_limit())
+            self.cov = _diagonal(self._variance_limit())
             self.bias = 0.0
         lam = self.forgetting
-        px = self.cov @ x
-        gain = px / (lam + float(x @ px))
-        self.coef = np.maximum(self.coef + gain * residual, 0.0)
-        cov = (self.cov - np.outer(gain, px)) / lam
+        n = N_FEATURES
+        cov = self.cov
+        px = [sum(cov[i][k] * x[k] for k in range(n)) for i in range(n)]
+        denom = lam + sum(x[i] * px[i] for i in range(n))
+        gain = [v / denom for v in px]
+        self.coef = [max(0.0, c + g * residual) for c, g in zip(self.coef, gain, strict=True)]
+        new = [[(cov[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
         # Forgetting inflates the covariance along directions the features never
         # explore; holding each variance within its prior keeps the state bounded.
-        diag = np.diag(cov)
         limit = self._variance_limit()
-        over = diag > limit
-        if over.any():
-            scale = np.sqrt(np.where(over, limit / diag, 1.0))
-            cov = cov * np.outer(scale, scale)
-        self.cov = 0.5 * (cov + cov.T)
+        scale = [(limit[i] / new[i][i]) ** 0.5 if new[i][i] > limit[i] else 1.0 for i in range(n)]
+        self.cov = [
+            [0.5 * (new[i][j] + new[j][i]) * scale[i] * scale[j] for j in range(n)]
+            for i in range(n)
+        ]
         self.samples += 1
         self.residual_scale += (abs(residual) - self.residual_scale) / min(self.samples, 32)
         self._sync()
