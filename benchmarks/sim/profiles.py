@@ -9,12 +9,15 @@ writes one measured on a live pod). A step's duration is
            + prefill_token_pairs * prefill_attention_s_per_token_pair  (causal attention)
            + decode_seqs         * decode_s_per_seq                    (sampling, launches)
            + decode_context      * decode_kv_read_s_per_token          (reading the KV cache)
+           + new_requests        * prefill_s_per_request               (optional, default 0)
 
 where a prefill chunk of ``n`` new tokens after ``c`` already-computed ones (prefix-cache
 hits and earlier chunks of the same prompt) attends over ``n * (c + n / 2)`` (query, key)
 pairs, and ``decode_context`` is the number of context tokens the batch's decoding
-sequences read. The quadratic prefill term is what makes a 30k-token prompt cost more than
-four 7.5k-token ones; a linear-only model would favour exactly the routing that ignores it.
+sequences read; ``new_requests`` counts requests scheduled for the first time (input
+preparation a serving engine does once per request, which ``epp calibrate`` measures).
+The quadratic prefill term is what makes a 30k-token prompt cost more than four 7.5k-token
+ones; a linear-only model would favour exactly the routing that ignores it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class LatencyProfile(BaseModel):
     decode_kv_read_s_per_token: float = Field(
         ge=0, description="per context token read by a decoding sequence"
     )
+    prefill_s_per_request: float = Field(
+        default=0.0, ge=0, description="once per request, in the step that first schedules it"
+    )
     source: str = Field(min_length=1, description="how each number was obtained")
 
     def step_seconds(
@@ -61,6 +67,7 @@ class LatencyProfile(BaseModel):
         prefill_token_pairs: float,
         decode_seqs: int,
         decode_context_tokens: int,
+        new_requests: int = 0,
     ) -> float:
         if prefill_tokens == 0 and decode_seqs == 0:
             return 0.0
@@ -70,6 +77,7 @@ class LatencyProfile(BaseModel):
             + prefill_token_pairs * self.prefill_attention_s_per_token_pair
             + decode_seqs * self.decode_s_per_seq
             + decode_context_tokens * self.decode_kv_read_s_per_token
+            + new_requests * self.prefill_s_per_request
         )
 
     def prefill_seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:

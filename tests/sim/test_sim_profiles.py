@@ -29,6 +29,7 @@ FIELDS = (
     "prefill_attention_s_per_token_pair",
     "decode_s_per_seq",
     "decode_kv_read_s_per_token",
+    "prefill_s_per_request",
     "source",
 )
 
