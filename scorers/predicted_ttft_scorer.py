@@ -59,6 +59,7 @@ from ..framework.plugins import (
 from ..framework.registry import register_plugin
 from ..framework.types import Outcome, PodState
 from .lora_affinity_scorer import adapter_active, adapter_slot_free
+from .routed_prefixes import unit_chunk_keys
 from .ttft_model import (
     PAIR_UNIT,
     TOKEN_UNIT,
@@ -146,19 +147,6 @@ class Prediction:
     ahead: list[tuple[float, float, float]]
     learnable: list[bool]
     chunk_keys: list[int]
-
-
-def chunk_keys(token_ids: Sequence[int] | None, chunk_tokens: int) -> list[int]:
-    """Chained keys of the prompt's whole `chunk_tokens` chunks: equal keys mean equal
-    prefixes (within one process; ints hash deterministically)."""
-    if not token_ids:
-        return []
-    keys: list[int] = []
-    key = 0
-    for start in range(0, len(token_ids) - chunk_tokens + 1, chunk_tokens):
-        key = hash((key, tuple(token_ids[start : start + chunk_tokens])))
-        keys.append(key)
-    return keys
 
 
 class RoutedPrefixes:
@@ -303,7 +291,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook):
         request_kv_tokens = self.mean_prompt_tokens + mean_output
         explain = ctx.components if ctx.explain else None
         chunk = p.routedPrefixChunkTokens
-        keys = chunk_keys(ctx.token_ids, chunk) if p.routedPrefixSeconds > 0 else []
+        keys = unit_chunk_keys(ctx.token_ids or (), chunk) if p.routedPrefixSeconds > 0 else []
         routed_runs = self.routed_prefixes.matched_chunks(keys, now) if keys else {}
 
         ttfts: list[float] = []

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import struct
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import xxhash
@@ -32,6 +31,7 @@ from pydantic import Field
 from ..framework.plugins import PluginParams, RoutingHook, SchedulingContext, Scorer
 from ..framework.registry import register_plugin
 from ..framework.types import LLMRequest, PodState
+from .routed_prefixes import RoutedPrefixTable
 
 SCRATCH_KEY = "prefix-cache-scorer.hashes"
 AVERAGE_CHARACTERS_PER_TOKEN = 4  # upstream's averageCharactersPerToken
@@ -100,8 +100,7 @@ class PrefixCacheScorer(Scorer, RoutingHook):
 
     def __init__(self, name: str, params: PrefixCacheParams) -> None:
         super().__init__(name, params)
-        self._pods_of_block: dict[int, set[str]] = {}
-        self._lru_of_pod: dict[str, OrderedDict[int, None]] = {}
+        self._routed = RoutedPrefixTable(params.lruCapacityPerServer)
 
     def _hashes(self, ctx: SchedulingContext, pods: Sequence[PodState] = ()) -> list[int]:
         hashes = ctx.scratch.get(SCRATCH_KEY)
@@ -114,18 +113,7 @@ class PrefixCacheScorer(Scorer, RoutingHook):
         return hashes
 
     def matched_blocks(self, hashes: Sequence[int], addresses: set[str]) -> dict[str, int]:
-        matched: dict[str, int] = {}
-        alive = addresses
-        for i, h in enumerate(hashes):
-            holders = self._pods_of_block.get(h)
-            if not holders:
-                break
-            alive = alive & holders
-            if not alive:
-                break
-            for address in alive:
-                matched[address] = i + 1
-        return matched
+        return self._routed.match(hashes, list(addresses))
 
     def score(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[float]:
         hashes = self._hashes(ctx, pods)
@@ -136,21 +124,7 @@ class PrefixCacheScorer(Scorer, RoutingHook):
         return [matched.get(p.address, 0) / total for p in pods]
 
     def on_routed(self, ctx: SchedulingContext, chosen: PodState) -> None:
-        address = chosen.address
-        lru = self._lru_of_pod.setdefault(address, OrderedDict())
-        for h in self._hashes(ctx, [chosen]):
-            if h in lru:
-                lru.move_to_end(h)
-                continue
-            lru[h] = None
-            self._pods_of_block.setdefault(h, set()).add(address)
         capacity = self.params.lruCapacityPerServer
         if self.params.autoTune and chosen.metrics.num_gpu_blocks:
             capacity = chosen.metrics.num_gpu_blocks
-        while len(lru) > capacity:
-            old, _ = lru.popitem(last=False)
-            holders = self._pods_of_block.get(old)
-            if holders is not None:
-                holders.discard(address)
-                if not holders:
-                    del self._pods_of_block[old]
+        self._routed.insert(chosen.address, self._hashes(ctx, [chosen]), capacity)

@@ -11,9 +11,9 @@ import statistics
 from collections.abc import Sequence
 
 from ....framework.types import Decision, LLMRequest, PodState
+from ....scorers.routed_prefixes import RoutedPrefixTable
 from .base import StatelessHooks, gateway_load, ranked
 from .prefix_table import (
-    RoutedPrefixTable,
     character_chunk_keys,
     prompt_characters,
 )

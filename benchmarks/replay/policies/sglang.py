@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ....framework.types import Decision, LLMRequest, PodState
+from ....scorers.routed_prefixes import RoutedPrefixTable, unit_chunk_keys
 from .base import StatelessHooks, gateway_load, ranked
 from .prefix_table import (
-    RoutedPrefixTable,
-    chunk_keys,
     prompt_units,
 )
 
@@ -41,7 +40,7 @@ class SGLangCacheAware(StatelessHooks):
         if not candidates:
             return Decision(endpoints=[], profile=self.name)
         units = prompt_units(request)
-        keys = chunk_keys(units, CHUNK, request.model)
+        keys = unit_chunk_keys(units, CHUNK, request.model)
         if self._imbalanced(candidates):
             pick = min(candidates, key=gateway_load)
         else:
