@@ -1,0 +1,238 @@
+"""Admission and flow control for one pool: the synchronous core of the request flow's
+admission step.
+
+`admit(flow, wake)` runs before scheduling. Not saturated (and nobody waiting): the
+request goes on at once. Saturated: a sheddable request (negative priority) is refused
+with 429; the others, with flow control on, wait in the `FlowQueue` until `pump()` finds
+a pod with room (or their TTL passes: 503, 429 for sheddable), and without it go on as
+before. A waiting request's `wake(error_or_None)` is called exactly once.
+
+`pump()` is the dispatch trigger. The gateway calls it when a request ends, after every
+metrics scrape and on a timer for TTLs; the replay calls it on its own simulated events.
+Nothing here reads a clock except the injected one, so the replay runs it in virtual time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from ...framework.lifecycle import FlowRequest
+from ...framework.types import LLMRequest, PodState
+from ...scorers.saturation_detectors import SaturationDetector
+from ..errors import RequestError
+from .objectives import FAIRNESS_HEADER, OBJECTIVE_HEADER, ObjectiveTable
+from .queue import FlowQueue, QueuedItem, QueueFull
+from .settings import QueueSettings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FLOW = "default-flow"
+Wake = Callable[[RequestError | None], None]
+
+
+class Reason(StrEnum):
+    SATURATED = "saturated"  # sheddable, pool saturated
+    QUEUE_FULL = "queue-full"
+    EXPIRED = "ttl-expired"
+    DISCONNECTED = "disconnected"
+
+
+class AdmissionObserver(Protocol):
+    def dispatched(self, priority: int, waited_s: float) -> None: ...
+    def rejected(self, priority: int, reason: Reason) -> None: ...
+
+
+class _NoObserver:
+    def dispatched(self, priority: int, waited_s: float) -> None:
+        pass
+
+    def rejected(self, priority: int, reason: Reason) -> None:
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class Classified:
+    objective: str
+    priority: int
+    flow_id: str
+
+
+def request_size(request: LLMRequest) -> int:
+    """Bytes a queued request counts against the byte limits: its body as received."""
+    return len(request.body) or request.estimated_prompt_tokens() * 4
+
+
+class AdmissionController:
+    def __init__(
+        self,
+        detector: SaturationDetector,
+        pods: Callable[[], Sequence[PodState]],
+        objectives: ObjectiveTable | None = None,
+        *,
+        flow_control: bool = False,
+        queue: QueueSettings | None = None,
+        clock: Callable[[], float],
+        observer: AdmissionObserver | None = None,
+    ) -> None:
+        self.detector = detector
+        self.objectives = objectives or ObjectiveTable()
+        self.flow_control = flow_control
+        self.clock = clock
+        self.observer: AdmissionObserver = observer or _NoObserver()
+        settings = queue or QueueSettings()
+        self.ttl_s = settings.ttl_s
+        self.queue = FlowQueue(
+            settings.bands,
+            settings.default_band,
+            settings.default_negative_band,
+            settings.max_requests,
+            settings.max_bytes,
+        )
+        self._pods = pods
+        self._waiting: dict[int, tuple[QueuedItem, Wake]] = {}
+        # Requests admitted and not yet booked on a pod (being scheduled).
+        self._reserved: set[int] = set()
+
+    # ------------------------------------------------------------------ state
+
+    def classify(self, request: LLMRequest) -> Classified:
+        headers = request.headers
+        name = headers.get(OBJECTIVE_HEADER, "")
+        priority = self.objectives.priority(name)
+        return Classified(name, priority, headers.get(FAIRNESS_HEADER) or DEFAULT_FLOW)
+
+    def saturation(self) -> float:
+        pods = self._pods()
+        return self.detector.saturation(pods, self.clock(), len(self._reserved))
+
+    def waiting(self) -> int:
+        return self.queue.requests
+
+    # ------------------------------------------------------------------ request path
+
+    def admit(self, flow: FlowRequest, wake: Wake) -> bool:
+        """True: schedule now. False: queued; `wake` is called later. Raises RequestError."""
+        pods = self._pods()
+        if not pods:  # nothing to wait for: scheduling answers 503 as usual
+            self._reserved.add(id(flow))
+            return True
+        now = self.clock()
+        saturation = self.detector.saturation(pods, now, len(self._reserved))
+        saturated = saturation >= 1.0
+        if not saturated and not self.queue.requests:
+            self._reserved.add(id(flow))
+            return True
+        who = self.classify(flow.request)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "admission %s: pool saturation %.3f, objective %r priority %d flow %r, %d queued",
+                flow.request.request_id,
+                saturation,
+                who.objective,
+                who.priority,
+                who.flow_id,
+                self.queue.requests,
+            )
+        if saturated and who.priority < 0:
+            self.observer.rejected(who.priority, Reason.SATURATED)
+            raise RequestError.shed(
+                f"the pool is saturated and objective {who.objective!r} (priority "
+                f"{who.priority}) is sheddable; retry later"
+            )
+        if not self.flow_control:
+            self._reserved.add(id(flow))
+            return True
+        item = QueuedItem(
+            payload=flow,
+            priority=who.priority,
+            flow_id=who.flow_id,
+            size=request_size(flow.request),
+            enqueued_at=now,
+            deadline=now + self.ttl_s if self.ttl_s is not None else None,
+        )
+        try:
+            self.queue.push(item)
+        except QueueFull as full:
+            self.observer.rejected(who.priority, Reason.QUEUE_FULL)
+            raise RequestError.shed(
+                f"the pool is saturated and the flow-control queue is full ({full.reason}); "
+                "retry later"
+            ) from None
+        self._waiting[id(flow)] = (item, wake)
+        if not saturated:
+            self.pump()
+        return False
+
+    def settled(self, flow: FlowRequest) -> None:
+        """The request was booked on a pod (or failed to be): it no longer holds a reservation."""
+        self._reserved.discard(id(flow))
+
+    def cancel(self, flow: FlowRequest) -> bool:
+        """The client left while the request waited: out of the queue at once."""
+        self._reserved.discard(id(flow))
+        waiting = self._waiting.pop(id(flow), None)
+        if waiting is None:
+            return False
+        item = waiting[0]
+        if self.queue.remove(item):
+            self.observer.rejected(item.priority, Reason.DISCONNECTED)
+        return True
+
+    # ------------------------------------------------------------------ dispatch
+
+    def next_deadline(self) -> float | None:
+        return self.queue.next_deadline()
+
+    def pump(self) -> int:
+        """Expires overdue requests and dispatches while a pod has room; returns dispatches."""
+        queue = self.queue
+        if not queue.requests:
+            return 0
+        now = self.clock()
+        for item in queue.expire(now):
+            self._expired(item, now)
+        dispatched = 0
+        detector = self.detector
+        while queue.requests:
+            pods = self._pods()
+            if pods and detector.saturation(pods, now, len(self._reserved)) >= 1.0:
+                break
+            item = queue.pop()
+            if item is None:
+                break
+            flow = item.payload
+            waiting = self._waiting.pop(id(flow), None)
+            if waiting is None:
+                continue
+            self._reserved.add(id(flow))
+            self.observer.dispatched(item.priority, now - item.enqueued_at)
+            dispatched += 1
+            self._wake(waiting[1], None)
+        return dispatched
+
+    def _expired(self, item: QueuedItem, now: float) -> None:
+        waiting = self._waiting.pop(id(item.payload), None)
+        if waiting is None:
+            return
+        self.observer.rejected(item.priority, Reason.EXPIRED)
+        waited = now - item.enqueued_at
+        message = (
+            f"the pool stayed saturated for the request's {waited:.1f} s in the flow-control "
+            "queue (its TTL); retry later"
+        )
+        if item.priority < 0:
+            error = RequestError.shed(message)
+        else:
+            error = RequestError.no_endpoint(message)
+        self._wake(waiting[1], error)
+
+    @staticmethod
+    def _wake(wake: Wake, error: RequestError | None) -> None:
+        try:
+            wake(error)
+        except Exception:  # one waiter's failure must not stop the dispatch loop
+            log.exception("waking a queued request failed")

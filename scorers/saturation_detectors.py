@@ -1,0 +1,136 @@
+"""Saturation detectors: how full the pool is, for admission and flow control.
+
+Both follow llm-d's detectors (names, parameters, defaults). A detector answers two
+questions:
+
+- `saturation(pods, now, reserved)`: the pool's load as a fraction; 1.0 or more means
+  saturated. Admission rejects sheddable requests and flow control holds the others
+  while it is; a held request is dispatched as soon as it drops below 1.0. `reserved`
+  counts requests admitted but not yet booked on a pod (they are being scheduled), so a
+  burst of dispatches cannot overshoot between two bookings.
+- as a scheduling `Filter`, which pods are past their safety limit (threshold x
+  (1 + headroom)); when every pod is, all are kept (fail open), as upstream.
+
+`utilization-detector` reads the scraped metrics: per pod
+`max(queue / queueDepthThreshold, kv_usage / kvCacheUtilThreshold)`, where the queue adds
+the requests this gateway sent that the last scrape does not show yet, and a pod whose
+metrics are older than `metricsStalenessThreshold` scores 1.0; the pool's saturation is
+the mean over pods. `concurrency-detector` counts what this gateway has itself in flight:
+requests (or prompt tokens) over `maxConcurrency` (`maxTokenConcurrency`) per pod, summed
+over the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from ..framework.plugins import Filter, PluginParams, SchedulingContext
+from ..framework.registry import register_plugin
+from ..framework.types import PodState
+from ..framework.units import parse_duration
+
+
+class SaturationDetector(Filter):
+    """A pool-saturation signal that is also a candidate filter."""
+
+    def saturation(self, pods: Sequence[PodState], now: float, reserved: int = 0) -> float:
+        raise NotImplementedError
+
+    def over_limit(self, pod: PodState, now: float) -> bool:
+        raise NotImplementedError
+
+    def filter(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[PodState]:
+        kept = [p for p in pods if not self.over_limit(p, ctx.now)]
+        return kept or list(pods)
+
+
+class UtilizationParams(PluginParams):
+    queueDepthThreshold: int = Field(default=5, gt=0)
+    kvCacheUtilThreshold: float = Field(default=0.8, gt=0.0, le=1.0)
+    # Seconds once validated; configs write Go durations ("200ms").
+    metricsStalenessThreshold: float = Field(default=0.2, gt=0.0)
+    headroom: float = Field(default=0.0, ge=0.0)
+
+    @field_validator("metricsStalenessThreshold", mode="before")
+    @classmethod
+    def _duration(cls, value: object) -> float:
+        return parse_duration(value)
+
+
+def queue_with_unscraped(pod: PodState) -> int:
+    """Waiting requests, plus those this gateway sent that the last scrape does not show."""
+    m = pod.metrics
+    return m.waiting + max(0, pod.inflight.requests - (m.waiting + m.running))
+
+
+@register_plugin()
+class UtilizationDetector(SaturationDetector):
+    type_name = "utilization-detector"
+    Params = UtilizationParams
+    params: UtilizationParams
+
+    def pod_score(self, pod: PodState, now: float) -> float:
+        m = pod.metrics
+        if m.scraped_at == 0.0 or now - m.scraped_at > self.params.metricsStalenessThreshold:
+            return 1.0
+        return max(
+            queue_with_unscraped(pod) / self.params.queueDepthThreshold,
+            m.kv_usage / self.params.kvCacheUtilThreshold,
+        )
+
+    def saturation(self, pods: Sequence[PodState], now: float, reserved: int = 0) -> float:
+        if not pods:
+            return 0.0
+        total = 0.0
+        for pod in pods:
+            total += self.pod_score(pod, now)
+        # A reserved request will join some pod's queue: spread it over the pool.
+        return (total + reserved / self.params.queueDepthThreshold) / len(pods)
+
+    def over_limit(self, pod: PodState, now: float) -> bool:
+        p = self.params
+        m = pod.metrics
+        if m.scraped_at == 0.0 or now - m.scraped_at > p.metricsStalenessThreshold:
+            return True
+        return queue_with_unscraped(pod) > p.queueDepthThreshold * (1 + p.headroom) or (
+            m.kv_usage > min(1.0, p.kvCacheUtilThreshold * (1 + p.headroom))
+        )
+
+
+class ConcurrencyParams(PluginParams):
+    concurrencyMode: Literal["requests", "tokens", "hybrid"] = "requests"
+    maxConcurrency: int = Field(default=100, gt=0)
+    maxTokenConcurrency: int = Field(default=1_000_000, gt=0)
+    headroom: float = Field(default=0.0, ge=0.0)
+
+
+@register_plugin()
+class ConcurrencyDetector(SaturationDetector):
+    type_name = "concurrency-detector"
+    Params = ConcurrencyParams
+    params: ConcurrencyParams
+
+    def saturation(self, pods: Sequence[PodState], now: float, reserved: int = 0) -> float:
+        if not pods:
+            return 0.0
+        p = self.params
+        mode = p.concurrencyMode
+        result = 0.0
+        if mode != "tokens":
+            requests = sum(pod.inflight.requests for pod in pods) + reserved
+            result = requests / (p.maxConcurrency * len(pods))
+        if mode != "requests":
+            tokens = sum(pod.inflight.prompt_tokens for pod in pods)
+            result = max(result, tokens / (p.maxTokenConcurrency * len(pods)))
+        return result
+
+    def over_limit(self, pod: PodState, now: float) -> bool:
+        p = self.params
+        scale = 1 + p.headroom
+        mode = p.concurrencyMode
+        if mode != "tokens" and pod.inflight.requests >= p.maxConcurrency * scale:
+            return True
+        return mode != "requests" and pod.inflight.prompt_tokens >= p.maxTokenConcurrency * scale
