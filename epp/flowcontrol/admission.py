@@ -177,9 +177,11 @@ class AdmissionController:
         waiting = self._waiting.pop(id(flow), None)
         if waiting is None:
             return False
-        item = waiting[0]
+        item, wake = waiting
         if self.queue.remove(item):
             self.observer.rejected(item.priority, Reason.DISCONNECTED)
+        # Nobody should be left waiting on a request that left, whoever noticed first.
+        self._wake(wake, RequestError(499, "the client closed the request", "client_closed"))
         return True
 
     # ------------------------------------------------------------------ dispatch
