@@ -73,6 +73,8 @@ class RequestFlow:
         self._outcomes: list[OutcomeObserver] = []
         for hook in hooks:
             self.add_hook(hook)
+        if isinstance(admission, CandidateFilter):  # flow control's pods-with-room filter
+            self.add_hook(admission)
         # Insertion-ordered: the first entry is the oldest open request.
         self._open: dict[int, FlowRequest] = {}
 
@@ -203,7 +205,8 @@ class RequestFlow:
 
     def _book_on(self, flow: FlowRequest, address: str) -> None:
         tokens = flow.request.estimated_prompt_tokens()
-        if self.datastore.book(address, tokens, flow.request.adapter):
+        waiting_first_byte = flow.first_byte_at is None
+        if self.datastore.book(address, tokens, flow.request.adapter, waiting_first_byte):
             flow.served = address
             flow.booked_tokens = tokens
         else:  # an address outside the pool: nothing to account
@@ -212,7 +215,12 @@ class RequestFlow:
 
     def _release(self, flow: FlowRequest) -> None:
         if flow.served is not None and flow.booked_tokens >= 0:
-            self.datastore.release(flow.served, flow.booked_tokens, flow.request.adapter)
+            self.datastore.release(
+                flow.served,
+                flow.booked_tokens,
+                flow.request.adapter,
+                prefilling=flow.first_byte_at is None,
+            )
         flow.booked_tokens = -1
 
     def routed(self, flow: FlowRequest) -> None:
@@ -233,7 +241,11 @@ class RequestFlow:
 
     def first_byte(self, flow: FlowRequest) -> None:
         if flow.first_byte_at is None:
+            if flow.served is not None and flow.booked_tokens >= 0:
+                self.datastore.prefilled(flow.served, flow.booked_tokens)
             flow.first_byte_at = self.clock()
+            if self.admission is not None:  # its pod's prefill queue just got shorter
+                self.admission.pump()
 
     def served_by(self, flow: FlowRequest, address: str) -> None:
         """A fallback (or a retry) answered: move the in-flight load to it."""

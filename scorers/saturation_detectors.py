@@ -6,8 +6,8 @@ questions:
 - `saturation(pods, now, reserved)`: the pool's load as a fraction; 1.0 or more means
   saturated. Admission rejects sheddable requests and flow control holds the others
   while it is; a held request is dispatched as soon as it drops below 1.0. `reserved`
-  counts requests admitted but not yet booked on a pod (they are being scheduled), so a
-  burst of dispatches cannot overshoot between two bookings.
+  (requests, prompt tokens) counts what was admitted but is not yet booked on a pod (it
+  is being scheduled), so a burst of dispatches cannot overshoot between two bookings.
 - as a scheduling `Filter`, which pods are past their safety limit (threshold x
   (1 + headroom)); when every pod is, all are kept (fail open), as upstream.
 
@@ -23,7 +23,7 @@ over the pool.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import Field, field_validator
 
@@ -33,10 +33,20 @@ from ..framework.types import PodState
 from ..framework.units import parse_duration
 
 
+class Reserved(NamedTuple):
+    requests: int = 0
+    tokens: int = 0
+
+
+NOTHING_RESERVED = Reserved()
+
+
 class SaturationDetector(Filter):
     """A pool-saturation signal that is also a candidate filter."""
 
-    def saturation(self, pods: Sequence[PodState], now: float, reserved: int = 0) -> float:
+    def saturation(
+        self, pods: Sequence[PodState], now: float, reserved: Reserved = NOTHING_RESERVED
+    ) -> float:
         raise NotImplementedError
 
     def over_limit(self, pod: PodState, now: float) -> bool:
@@ -81,14 +91,16 @@ class UtilizationDetector(SaturationDetector):
             m.kv_usage / self.params.kvCacheUtilThreshold,
         )
 
-    def saturation(self, pods: Sequence[PodState], now: float, reserved: int = 0) -> float:
+    def saturation(
+        self, pods: Sequence[PodState], now: float, reserved: Reserved = NOTHING_RESERVED
+    ) -> float:
         if not pods:
             return 0.0
         total = 0.0
         for pod in pods:
             total += self.pod_score(pod, now)
         # A reserved request will join some pod's queue: spread it over the pool.
-        return (total + reserved / self.params.queueDepthThreshold) / len(pods)
+        return (total + reserved.requests / self.params.queueDepthThreshold) / len(pods)
 
     def over_limit(self, pod: PodState, now: float) -> bool:
         p = self.params
@@ -113,17 +125,19 @@ class ConcurrencyDetector(SaturationDetector):
     Params = ConcurrencyParams
     params: ConcurrencyParams
 
-    def saturation(self, pods: Sequence[PodState], now: float, reserved: int = 0) -> float:
+    def saturation(
+        self, pods: Sequence[PodState], now: float, reserved: Reserved = NOTHING_RESERVED
+    ) -> float:
         if not pods:
             return 0.0
         p = self.params
         mode = p.concurrencyMode
         result = 0.0
         if mode != "tokens":
-            requests = sum(pod.inflight.requests for pod in pods) + reserved
+            requests = sum(pod.inflight.requests for pod in pods) + reserved.requests
             result = requests / (p.maxConcurrency * len(pods))
         if mode != "requests":
-            tokens = sum(pod.inflight.prompt_tokens for pod in pods)
+            tokens = sum(pod.inflight.prompt_tokens for pod in pods) + reserved.tokens
             result = max(result, tokens / (p.maxTokenConcurrency * len(pods)))
         return result
 
@@ -134,3 +148,51 @@ class ConcurrencyDetector(SaturationDetector):
         if mode != "tokens" and pod.inflight.requests >= p.maxConcurrency * scale:
             return True
         return mode != "requests" and pod.inflight.prompt_tokens >= p.maxTokenConcurrency * scale
+
+
+class PrefillBacklogParams(PluginParams):
+    prefillTokensPerSecond: float = Field(default=10_000.0, gt=0)
+    maxPrefillSeconds: float = Field(default=1.0, gt=0)
+    kvCacheUtilThreshold: float = Field(default=0.8, gt=0.0, le=1.0)
+    headroom: float = Field(default=0.0, ge=0.0)
+
+
+@register_plugin()
+class PrefillBacklogDetector(SaturationDetector):
+    """prefill-backlog-detector (smart-epp's own): a pod is full when the prompts this
+    gateway sent it that have not produced a first byte yet would take more than
+    `maxPrefillSeconds` to prefill at `prefillTokensPerSecond`, or when its KV cache is
+    fuller than `kvCacheUtilThreshold` (a new prompt would wait for KV memory); the pool
+    is saturated when every pod is full.
+
+    This is the queue in front of a request's first token, which is what a TTFT SLO is
+    about: unlike the scraped waiting queue it sees requests vLLM has already taken into
+    its running batch but not prefilled (chunked prefill), and unlike in-flight counts it
+    ignores requests that are only decoding. Prompts are counted whole (cache hits are
+    not subtracted), so it errs towards holding requests back. A non-streaming response
+    produces its first byte at the end, so its request counts until it finishes.
+    """
+
+    type_name = "prefill-backlog-detector"
+    Params = PrefillBacklogParams
+    params: PrefillBacklogParams
+
+    def pod_seconds(self, pod: PodState) -> float:
+        return pod.inflight.prefilling_tokens / self.params.prefillTokensPerSecond
+
+    def pod_score(self, pod: PodState, extra_tokens: float = 0.0) -> float:
+        p = self.params
+        backlog = (pod.inflight.prefilling_tokens + extra_tokens) / p.prefillTokensPerSecond
+        return max(backlog / p.maxPrefillSeconds, pod.metrics.kv_usage / p.kvCacheUtilThreshold)
+
+    def saturation(
+        self, pods: Sequence[PodState], now: float, reserved: Reserved = NOTHING_RESERVED
+    ) -> float:
+        """The least-loaded pod's score: the pool has room while one pod has (flow control
+        then sends the request to a pod with room). Reserved prompts count on that pod."""
+        if not pods:
+            return 0.0
+        return min(self.pod_score(pod, reserved.tokens) for pod in pods)
+
+    def over_limit(self, pod: PodState, now: float) -> bool:
+        return self.pod_score(pod) > 1 + self.params.headroom

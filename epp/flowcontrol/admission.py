@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
-from ...framework.lifecycle import FlowRequest
+from ...framework.lifecycle import CandidateFilter, FlowRequest
 from ...framework.types import LLMRequest, PodState
-from ...scorers.saturation_detectors import SaturationDetector
+from ...scorers.saturation_detectors import Reserved, SaturationDetector
 from ..errors import RequestError
 from .objectives import FAIRNESS_HEADER, OBJECTIVE_HEADER, ObjectiveTable
 from .queue import FlowQueue, QueuedItem, QueueFull
@@ -54,6 +54,14 @@ class _NoObserver:
         pass
 
 
+class AdmissionRefused(RequestError):
+    """A RequestError from admission, with the reason it was refused."""
+
+    def __init__(self, error: RequestError, reason: Reason) -> None:
+        super().__init__(error.status, error.message, error.error_type, error.param)
+        self.reason = reason
+
+
 @dataclass(frozen=True, slots=True)
 class Classified:
     objective: str
@@ -66,7 +74,11 @@ def request_size(request: LLMRequest) -> int:
     return len(request.body) or request.estimated_prompt_tokens() * 4
 
 
-class AdmissionController:
+class AdmissionController(CandidateFilter):
+    """Admission, flow control, and (with flow control on) the candidate filter that
+    keeps a dispatched request off the pods that are past their limit, so it goes where
+    the room that released it is (every pod when none has room: fail open)."""
+
     def __init__(
         self,
         detector: SaturationDetector,
@@ -94,8 +106,10 @@ class AdmissionController:
         )
         self._pods = pods
         self._waiting: dict[int, tuple[QueuedItem, Wake]] = {}
-        # Requests admitted and not yet booked on a pod (being scheduled).
-        self._reserved: set[int] = set()
+        # Requests admitted and not yet booked on a pod (being scheduled): their prompt
+        # tokens by flow, and the total.
+        self._reserved: dict[int, int] = {}
+        self._reserved_tokens = 0
 
     # ------------------------------------------------------------------ state
 
@@ -105,12 +119,30 @@ class AdmissionController:
         priority = self.objectives.priority(name)
         return Classified(name, priority, headers.get(FAIRNESS_HEADER) or DEFAULT_FLOW)
 
+    def _reservations(self) -> Reserved:
+        return Reserved(len(self._reserved), self._reserved_tokens)
+
+    def _reserve(self, flow: FlowRequest) -> None:
+        key = id(flow)
+        if key not in self._reserved:
+            tokens = flow.request.estimated_prompt_tokens()
+            self._reserved[key] = tokens
+            self._reserved_tokens += tokens
+
     def saturation(self) -> float:
         pods = self._pods()
-        return self.detector.saturation(pods, self.clock(), len(self._reserved))
+        return self.detector.saturation(pods, self.clock(), self._reservations())
 
     def waiting(self) -> int:
         return self.queue.requests
+
+    def candidates(self, request: LLMRequest, pods: Sequence[PodState]) -> list[PodState]:
+        if not self.flow_control:
+            return list(pods)
+        now = self.clock()
+        over = self.detector.over_limit
+        kept = [p for p in pods if not over(p, now)]
+        return kept or list(pods)
 
     # ------------------------------------------------------------------ request path
 
@@ -118,13 +150,12 @@ class AdmissionController:
         """True: schedule now. False: queued; `wake` is called later. Raises RequestError."""
         pods = self._pods()
         if not pods:  # nothing to wait for: scheduling answers 503 as usual
-            self._reserved.add(id(flow))
             return True
         now = self.clock()
-        saturation = self.detector.saturation(pods, now, len(self._reserved))
+        saturation = self.detector.saturation(pods, now, self._reservations())
         saturated = saturation >= 1.0
         if not saturated and not self.queue.requests:
-            self._reserved.add(id(flow))
+            self._reserve(flow)
             return True
         who = self.classify(flow.request)
         if log.isEnabledFor(logging.DEBUG):
@@ -139,12 +170,15 @@ class AdmissionController:
             )
         if saturated and who.priority < 0:
             self.observer.rejected(who.priority, Reason.SATURATED)
-            raise RequestError.shed(
-                f"the pool is saturated and objective {who.objective!r} (priority "
-                f"{who.priority}) is sheddable; retry later"
+            raise AdmissionRefused(
+                RequestError.shed(
+                    f"the pool is saturated and objective {who.objective!r} (priority "
+                    f"{who.priority}) is sheddable; retry later"
+                ),
+                Reason.SATURATED,
             )
         if not self.flow_control:
-            self._reserved.add(id(flow))
+            self._reserve(flow)
             return True
         item = QueuedItem(
             payload=flow,
@@ -158,9 +192,12 @@ class AdmissionController:
             self.queue.push(item)
         except QueueFull as full:
             self.observer.rejected(who.priority, Reason.QUEUE_FULL)
-            raise RequestError.shed(
-                f"the pool is saturated and the flow-control queue is full ({full.reason}); "
-                "retry later"
+            raise AdmissionRefused(
+                RequestError.shed(
+                    f"the pool is saturated and the flow-control queue is full "
+                    f"({full.reason}); retry later"
+                ),
+                Reason.QUEUE_FULL,
             ) from None
         self._waiting[id(flow)] = (item, wake)
         if not saturated:
@@ -169,11 +206,13 @@ class AdmissionController:
 
     def settled(self, flow: FlowRequest) -> None:
         """The request was booked on a pod (or failed to be): it no longer holds a reservation."""
-        self._reserved.discard(id(flow))
+        tokens = self._reserved.pop(id(flow), None)
+        if tokens is not None:
+            self._reserved_tokens -= tokens
 
     def cancel(self, flow: FlowRequest) -> bool:
         """The client left while the request waited: out of the queue at once."""
-        self._reserved.discard(id(flow))
+        self.settled(flow)
         waiting = self._waiting.pop(id(flow), None)
         if waiting is None:
             return False
@@ -181,7 +220,8 @@ class AdmissionController:
         if self.queue.remove(item):
             self.observer.rejected(item.priority, Reason.DISCONNECTED)
         # Nobody should be left waiting on a request that left, whoever noticed first.
-        self._wake(wake, RequestError(499, "the client closed the request", "client_closed"))
+        gone = RequestError(499, "the client closed the request", "client_closed")
+        self._wake(wake, AdmissionRefused(gone, Reason.DISCONNECTED))
         return True
 
     # ------------------------------------------------------------------ dispatch
@@ -201,7 +241,7 @@ class AdmissionController:
         detector = self.detector
         while queue.requests:
             pods = self._pods()
-            if pods and detector.saturation(pods, now, len(self._reserved)) >= 1.0:
+            if pods and detector.saturation(pods, now, self._reservations()) >= 1.0:
                 break
             item = queue.pop()
             if item is None:
@@ -210,7 +250,7 @@ class AdmissionController:
             waiting = self._waiting.pop(id(flow), None)
             if waiting is None:
                 continue
-            self._reserved.add(id(flow))
+            self._reserve(flow)
             self.observer.dispatched(item.priority, now - item.enqueued_at)
             dispatched += 1
             self._wake(waiting[1], None)
@@ -230,7 +270,7 @@ class AdmissionController:
             error = RequestError.shed(message)
         else:
             error = RequestError.no_endpoint(message)
-        self._wake(waiting[1], error)
+        self._wake(waiting[1], AdmissionRefused(error, Reason.EXPIRED))
 
     @staticmethod
     def _wake(wake: Wake, error: RequestError | None) -> None:

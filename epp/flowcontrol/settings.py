@@ -170,5 +170,9 @@ def queue_settings(spec: FlowControlSpec | None) -> QueueSettings:
     )
 
 
-DetectorType = Literal["utilization-detector", "concurrency-detector"]
-DETECTOR_TYPES: tuple[DetectorType, ...] = ("utilization-detector", "concurrency-detector")
+DetectorType = Literal["utilization-detector", "concurrency-detector", "prefill-backlog-detector"]
+DETECTOR_TYPES: tuple[DetectorType, ...] = (
+    "utilization-detector",
+    "concurrency-detector",
+    "prefill-backlog-detector",
+)

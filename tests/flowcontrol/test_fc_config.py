@@ -92,7 +92,7 @@ def test_the_older_inline_saturation_detector_section() -> None:
             "plugins: [{type: max-score-picker}]\nsaturationDetector: "
             "{pluginRef: max-score-picker}\n",
             "saturationDetector.pluginRef",
-            "is not one of utilization-detector, concurrency-detector",
+            "is not one of utilization-detector, concurrency-detector, prefill-backlog-detector",
         ),
         (
             "plugins: [{type: max-score-picker}]\nflowControl: {maxBytes: lots}\n",

@@ -7,7 +7,11 @@ from fchelpers import Clock, pool, set_load
 
 from smart_epp.epp.config import instantiate, parse_config
 from smart_epp.framework.plugins import SchedulingContext
-from smart_epp.scorers.saturation_detectors import ConcurrencyDetector, UtilizationDetector
+from smart_epp.scorers.saturation_detectors import (
+    ConcurrencyDetector,
+    Reserved,
+    UtilizationDetector,
+)
 
 
 def utilization(**params: object) -> UtilizationDetector:
@@ -71,7 +75,7 @@ def test_requests_sent_since_the_last_scrape_count_in_the_queue() -> None:
     pods[0].inflight.requests = 4  # 1 running, 3 the scrape has not seen
     assert detector.pod_score(pods[0], clock()) == pytest.approx(1.5)
     # Reserved (admitted, not yet booked) requests are spread over the pool.
-    assert detector.saturation(pods, clock(), reserved=2) == pytest.approx((1.5 + 1.0) / 2)
+    assert detector.saturation(pods, clock(), Reserved(2, 0)) == pytest.approx((1.5 + 1.0) / 2)
 
 
 def test_utilization_filter_drops_pods_past_the_limit_and_fails_open() -> None:
@@ -93,7 +97,7 @@ def test_concurrency_detector_modes() -> None:
     pods[1].inflight.requests, pods[1].inflight.prompt_tokens = 1, 100
     by_requests = concurrency(maxConcurrency=4)
     assert by_requests.saturation(pods, clock()) == pytest.approx(4 / 8)
-    assert by_requests.saturation(pods, clock(), reserved=4) == pytest.approx(1.0)
+    assert by_requests.saturation(pods, clock(), Reserved(4, 0)) == pytest.approx(1.0)
     by_tokens = concurrency(concurrencyMode="tokens", maxTokenConcurrency=500)
     assert by_tokens.saturation(pods, clock()) == pytest.approx(1000 / 1000)
     hybrid = concurrency(concurrencyMode="hybrid", maxConcurrency=100, maxTokenConcurrency=800)
