@@ -91,7 +91,7 @@ class AdmissionController(CandidateFilter):
         observer: AdmissionObserver | None = None,
     ) -> None:
         self.detector = detector
-        self.objectives = objectives or ObjectiveTable()
+        self.objectives = objectives if objectives is not None else ObjectiveTable()
         self.flow_control = flow_control
         self.clock = clock
         self.observer: AdmissionObserver = observer or _NoObserver()

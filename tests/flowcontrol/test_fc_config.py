@@ -131,7 +131,7 @@ def test_the_shipped_default_flow_control_config() -> None:
     assert loaded.warnings == []
     clock = Clock()
     admission = build_admission(loaded, pool(clock).ready_pods, clock=clock)
-    assert admission.flow_control and admission.ttl_s == 30.0
+    assert admission.flow_control and admission.ttl_s == 25.0
     assert admission.saturation() == 0.0
     # The built-in default keeps flow control off, like upstream.
     assert not flow_control_enabled(load_config("default"))
