@@ -82,33 +82,42 @@ class UtilizationDetector(SaturationDetector):
     Params = UtilizationParams
     params: UtilizationParams
 
+    def __init__(self, name: str, params: UtilizationParams) -> None:
+        super().__init__(name, params)
+        # Plain floats: this runs for every pod on every request's admission.
+        self._queue = float(params.queueDepthThreshold)
+        self._kv = params.kvCacheUtilThreshold
+        self._stale = params.metricsStalenessThreshold
+
     def pod_score(self, pod: PodState, now: float) -> float:
         m = pod.metrics
-        if m.scraped_at == 0.0 or now - m.scraped_at > self.params.metricsStalenessThreshold:
+        if m.scraped_at == 0.0 or now - m.scraped_at > self._stale:
             return 1.0
-        return max(
-            queue_with_unscraped(pod) / self.params.queueDepthThreshold,
-            m.kv_usage / self.params.kvCacheUtilThreshold,
-        )
+        unscraped = pod.inflight.requests - m.waiting - m.running
+        queue = m.waiting + unscraped if unscraped > 0 else m.waiting
+        queue_score = queue / self._queue
+        kv_score = m.kv_usage / self._kv
+        return queue_score if queue_score > kv_score else kv_score
 
     def saturation(
         self, pods: Sequence[PodState], now: float, reserved: Reserved = NOTHING_RESERVED
     ) -> float:
         if not pods:
             return 0.0
+        score = self.pod_score
         total = 0.0
         for pod in pods:
-            total += self.pod_score(pod, now)
+            total += score(pod, now)
         # A reserved request will join some pod's queue: spread it over the pool.
-        return (total + reserved.requests / self.params.queueDepthThreshold) / len(pods)
+        return (total + reserved.requests / self._queue) / len(pods)
 
     def over_limit(self, pod: PodState, now: float) -> bool:
         p = self.params
         m = pod.metrics
-        if m.scraped_at == 0.0 or now - m.scraped_at > p.metricsStalenessThreshold:
+        if m.scraped_at == 0.0 or now - m.scraped_at > self._stale:
             return True
-        return queue_with_unscraped(pod) > p.queueDepthThreshold * (1 + p.headroom) or (
-            m.kv_usage > min(1.0, p.kvCacheUtilThreshold * (1 + p.headroom))
+        return queue_with_unscraped(pod) > self._queue * (1 + p.headroom) or (
+            m.kv_usage > min(1.0, self._kv * (1 + p.headroom))
         )
 
 
@@ -177,13 +186,20 @@ class PrefillBacklogDetector(SaturationDetector):
     Params = PrefillBacklogParams
     params: PrefillBacklogParams
 
+    def __init__(self, name: str, params: PrefillBacklogParams) -> None:
+        super().__init__(name, params)
+        # Plain floats: this runs for every pod on every request's admission.
+        self._rate = params.prefillTokensPerSecond
+        self._budget_tokens = params.prefillTokensPerSecond * params.maxPrefillSeconds
+        self._kv = params.kvCacheUtilThreshold
+
     def pod_seconds(self, pod: PodState) -> float:
-        return pod.inflight.prefilling_tokens / self.params.prefillTokensPerSecond
+        return pod.inflight.prefilling_tokens / self._rate
 
     def pod_score(self, pod: PodState, extra_tokens: float = 0.0) -> float:
-        p = self.params
-        backlog = (pod.inflight.prefilling_tokens + extra_tokens) / p.prefillTokensPerSecond
-        return max(backlog / p.maxPrefillSeconds, pod.metrics.kv_usage / p.kvCacheUtilThreshold)
+        backlog = (pod.inflight.prefilling_tokens + extra_tokens) / self._budget_tokens
+        kv = pod.metrics.kv_usage / self._kv
+        return backlog if backlog > kv else kv
 
     def saturation(
         self, pods: Sequence[PodState], now: float, reserved: Reserved = NOTHING_RESERVED
@@ -192,7 +208,14 @@ class PrefillBacklogDetector(SaturationDetector):
         then sends the request to a pod with room). Reserved prompts count on that pod."""
         if not pods:
             return 0.0
-        return min(self.pod_score(pod, reserved.tokens) for pod in pods)
+        score = self.pod_score
+        extra = reserved.tokens
+        least = score(pods[0], extra)
+        for pod in pods:
+            value = score(pod, extra)
+            if value < least:
+                least = value
+        return least
 
     def over_limit(self, pod: PodState, now: float) -> bool:
         return self.pod_score(pod) > 1 + self.params.headroom

@@ -75,9 +75,10 @@ def request_size(request: LLMRequest) -> int:
 
 
 class AdmissionController(CandidateFilter):
-    """Admission, flow control, and (with flow control on) the candidate filter that
-    keeps a dispatched request off the pods that are past their limit, so it goes where
-    the room that released it is (every pod when none has room: fail open)."""
+    """Admission, flow control, and the candidate filter that keeps a request released
+    from the queue off the pods that are past their limit, so it goes where the room that
+    released it is (every pod when none has room: fail open). Requests admitted straight
+    away (the pool not saturated) are left to the scheduler's own load terms."""
 
     def __init__(
         self,
@@ -110,6 +111,8 @@ class AdmissionController(CandidateFilter):
         # tokens by flow, and the total.
         self._reserved: dict[int, int] = {}
         self._reserved_tokens = 0
+        # Requests released from the queue, by id of their LLMRequest, until booked.
+        self._released: set[int] = set()
 
     # ------------------------------------------------------------------ state
 
@@ -137,7 +140,7 @@ class AdmissionController(CandidateFilter):
         return self.queue.requests
 
     def candidates(self, request: LLMRequest, pods: Sequence[PodState]) -> list[PodState]:
-        if not self.flow_control:
+        if id(request) not in self._released:
             return list(pods)
         now = self.clock()
         over = self.detector.over_limit
@@ -209,6 +212,7 @@ class AdmissionController(CandidateFilter):
         tokens = self._reserved.pop(id(flow), None)
         if tokens is not None:
             self._reserved_tokens -= tokens
+            self._released.discard(id(flow.request))
 
     def cancel(self, flow: FlowRequest) -> bool:
         """The client left while the request waited: out of the queue at once."""
@@ -251,6 +255,7 @@ class AdmissionController(CandidateFilter):
             if waiting is None:
                 continue
             self._reserve(flow)
+            self._released.add(id(flow.request))
             self.observer.dispatched(item.priority, now - item.enqueued_at)
             dispatched += 1
             self._wake(waiting[1], None)

@@ -288,3 +288,19 @@ async def test_exchange_close_alone_reaches_the_queue() -> None:
     handling.cancel()
     with pytest.raises(asyncio.CancelledError):
         await handling
+
+
+async def test_a_released_request_goes_to_the_pod_that_has_room() -> None:
+    clock = Clock()
+    datastore = pool(clock)
+    flow, admission, _ = make(clock, datastore)
+    saturate(datastore, clock)
+    waiting = asyncio.create_task(flow.route(flow.start(request("held"))))
+    await asyncio.sleep(0)
+    pods = datastore.pods()
+    set_load(pods[1], clock, waiting=0)  # the second pod drained; the first is still full
+    admission.pump()
+    chosen = await waiting
+    # The scheduler alone would take the first candidate; the released request goes to
+    # the pod whose room released it.
+    assert chosen[0].address == pods[1].address
