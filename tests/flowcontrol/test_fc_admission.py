@@ -298,7 +298,8 @@ async def test_a_released_request_goes_to_the_pod_that_has_room() -> None:
     waiting = asyncio.create_task(flow.route(flow.start(request("held"))))
     await asyncio.sleep(0)
     pods = datastore.pods()
-    set_load(pods[1], clock, waiting=0)  # the second pod drained; the first is still full
+    set_load(pods[0], clock, waiting=3)  # past its limit (2)
+    set_load(pods[1], clock, waiting=0)  # drained
     admission.pump()
     chosen = await waiting
     # The scheduler alone would take the first candidate; the released request goes to
