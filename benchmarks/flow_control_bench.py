@@ -198,8 +198,8 @@ async def _shed_scenario(tmp: Path, requests: int) -> dict[str, float]:
     ):  # fmt: skip
         async with aiohttp.ClientSession() as http:
             url = f"http://127.0.0.1:{listen}/v1/completions"
-            await _wait_http(http, f"http://127.0.0.1:{sim_port}/metrics", 30)
-            await _wait_http(http, f"http://127.0.0.1:{metrics}/metrics", 30)
+            await _wait_http(http, f"http://127.0.0.1:{sim_port}/metrics", 90)
+            await _wait_http(http, f"http://127.0.0.1:{metrics}/metrics", 90)
             deadline = time.monotonic() + 30
             while True:  # Envoy up, and its health check sees the picker
                 with contextlib.suppress(aiohttp.ClientError):

@@ -13,6 +13,7 @@ SUBCOMMAND_MODULES = (
     "smart_epp.epp.envoy_cmd",
     "smart_epp.benchmarks.sim.cli",
     "smart_epp.benchmarks.replay.cli",
+    "smart_epp.benchmarks.calibrate.cli",
     "smart_epp.epp.demo",
 )
 

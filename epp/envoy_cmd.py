@@ -16,6 +16,7 @@ from typing import Literal
 import jinja2
 
 from .discovery import parse_address
+from .flags import add_secure_serving
 from .server import DEFAULT_MAX_BODY_BYTES
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml.j2"
@@ -43,6 +44,17 @@ class EnvoyOptions:
     epp_health_interval_s: float = 1.0
     # Concurrent ext_proc streams to epp, i.e. requests in flight through the gateway.
     epp_max_streams: int = 100_000
+    # TLS to the picker (its default); without a CA the picker's certificate is not
+    # verified (the picker's self-signed default); with one, it must chain to it and name
+    # epp_server_name (default: epp_host).
+    secure_serving: bool = True
+    epp_ca_file: Path | None = None
+    epp_server_name: str | None = None
+    # Several picker replicas (HOST:PORT each); empty: the one at epp_host:epp_port.
+    epp_replicas: tuple[str, ...] = ()
+    # The replicas' gRPC health port (`epp serve --health-port`); None: their ext_proc
+    # port, which serves the same health service.
+    epp_health_port: int | None = None
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -75,13 +87,14 @@ def render_envoy_config(options: EnvoyOptions) -> str:
     for host, _ in fallback:
         if not _is_ip(host):
             raise ValueError(f"fallback endpoints must be IP:PORT, got host {host!r}")
+    replicas = epp_replicas(options)
     return environment.get_template(TEMPLATE.name).render(
         listen_address=options.listen_address,
         listen_port=options.listen_port,
         admin_port=options.admin_port,
-        epp_host=options.epp_host,
-        epp_port=options.epp_port,
-        epp_cluster_type="STATIC" if _is_ip(options.epp_host) else "STRICT_DNS",
+        epp_replicas=replicas,
+        epp_health_port=options.epp_health_port,
+        epp_cluster_type="STATIC" if all(_is_ip(h) for h, _ in replicas) else "STRICT_DNS",
         body_mode=options.body_mode,
         failure_mode=options.failure_mode,
         max_body_bytes=options.max_body_bytes,
@@ -90,7 +103,32 @@ def render_envoy_config(options: EnvoyOptions) -> str:
         epp_max_streams=options.epp_max_streams,
         fallback_endpoints=fallback,
         bypass_backend=_split(options.bypass_backend) if options.bypass_backend else None,
+        epp_tls=_epp_tls(options),
     )
+
+
+def epp_replicas(options: EnvoyOptions) -> list[tuple[str, int]]:
+    """(host, port) of every picker replica Envoy balances ext_proc streams over."""
+    if not options.epp_replicas:
+        return [(options.epp_host, options.epp_port)]
+    replicas = [_split(a) for a in options.epp_replicas]
+    if len(set(replicas)) != len(replicas):
+        raise ValueError("a picker replica is listed twice")
+    return replicas
+
+
+def _epp_tls(options: EnvoyOptions) -> dict[str, str] | None:
+    """The template's view of the TLS to the picker: None for plaintext."""
+    if not options.secure_serving:
+        if options.epp_ca_file is not None:
+            raise ValueError("an epp CA file needs secure serving")
+        return None
+    server_name = options.epp_server_name or epp_replicas(options)[0][0]
+    return {
+        "server_name": server_name,
+        "ca_file": "" if options.epp_ca_file is None else str(Path(options.epp_ca_file).resolve()),
+        "san_type": "IP_ADDRESS" if _is_ip(server_name) else "DNS",
+    }
 
 
 def envoy_binary() -> Path:
@@ -136,6 +174,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--listen-port", type=int, default=8081)
     parser.add_argument("--epp-port", type=int, default=9002)
     parser.add_argument("--epp-host", default="127.0.0.1")
+    parser.add_argument(
+        "--epp",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a picker replica (repeat for several; replaces --epp-host/--epp-port): "
+        "ext_proc streams are balanced over the healthy ones",
+    )
+    parser.add_argument(
+        "--epp-health-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="the replicas' gRPC health port, health-checked every second (default: "
+        "their ext_proc port, which serves the same health service)",
+    )
     parser.add_argument("--body-mode", choices=("buffered", "full-duplex"), default="full-duplex")
     parser.add_argument("--failure-mode", choices=("open", "close"), default="close")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
@@ -146,6 +200,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=[],
         metavar="IP:PORT",
         help="where requests go when the picker is unreachable (failure mode open)",
+    )
+    add_secure_serving(parser, "TLS to the picker, as `epp serve --secure-serving` (default true)")
+    parser.add_argument(
+        "--epp-ca-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="verify the picker's certificate against this CA bundle (default: encrypt "
+        "without verifying, which fits the picker's self-signed certificate)",
+    )
+    parser.add_argument(
+        "--epp-server-name",
+        default=None,
+        metavar="NAME",
+        help="SNI and the name the picker's certificate must carry (default: --epp-host)",
     )
     parser.add_argument("--concurrency", type=int, default=None, help="Envoy worker threads")
     parser.add_argument("--log-level", default="warning")
@@ -163,6 +232,11 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
         max_body_bytes=args.max_body_bytes,
         admin_port=args.admin_port,
         fallback_endpoints=tuple(args.fallback_endpoint),
+        secure_serving=args.secure_serving,
+        epp_ca_file=args.epp_ca_file,
+        epp_server_name=args.epp_server_name,
+        epp_replicas=tuple(args.epp),
+        epp_health_port=args.epp_health_port,
     )
 
 

@@ -42,6 +42,7 @@ from ..sim.engine import (
 )
 from ..sim.kv_events import encode_batch
 from ..sim.profiles import DEFAULT_PROFILE, get_profile
+from ..sim.routing_latency import DEFAULT_ROUTING_LATENCY_S
 from .report import RequestResult
 from .traces import DEFAULT_MODEL, TraceRequest
 
@@ -59,6 +60,7 @@ class SimConfig:
     max_model_len: int | None = None  # None: the profile's limit
     model: str = DEFAULT_MODEL
     num_blocks: int | None = None  # None: the profile's KV capacity
+    routing_latency_s: float = DEFAULT_ROUTING_LATENCY_S  # tokenization + decision
 
 
 @dataclass(slots=True)
@@ -118,7 +120,7 @@ class SimPool:
 
     def scrape(self, now: float) -> None:
         for address, engine in self.engines.items():
-            _copy_metrics(engine.snapshot_metrics(), engine, self.state(address).metrics, now)
+            _copy_metrics(engine.snapshot_metrics(now), engine, self.state(address).metrics, now)
 
 
 def _copy_metrics(m: EngineMetrics, engine: SimEngine, out: PodMetrics, now: float) -> None:
@@ -228,7 +230,9 @@ class Simulation:
                 slo_ttft_s=req.slo_ttft_s,
             )
             results.append(result)
-            self._push(arrivals[i], _ARRIVAL, (req, result))
+            # The router decides, and the pod receives, once tokenization and the decision
+            # are done; TTFT still counts from the client's arrival.
+            self._push(arrivals[i] + self.config.routing_latency_s, _ARRIVAL, (req, result))
         self._pending = len(requests)
         self.pool.scrape(0.0)
         if requests:
@@ -326,7 +330,8 @@ class Simulation:
         )
         try:
             engine.add_request(sim_req, self.now)
-        except RequestRejected:
+        except RequestRejected as exc:
+            result.error = exc.reason
             flow.finish(tracked, ok=False, status=400)
             self._fail(result, 400)
             return
