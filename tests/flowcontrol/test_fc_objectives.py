@@ -111,3 +111,17 @@ def test_file_watcher_reloads_on_change_and_keeps_the_last_good_set(tmp_path: Pa
     path.unlink()
     assert watcher.poll() is False
     assert table.priority("critical") == 5
+
+
+def test_recorded_traffic_carries_objectives_and_slos_into_the_replay(tmp_path: Path) -> None:
+    from smart_epp.benchmarks.replay.traces import load_recorded
+    from smart_epp.epp.traffic_recorder import recorded_line
+
+    path = tmp_path / "traffic.jsonl"
+    path.write_text(
+        recorded_line(0.0, "tiny", 10, 2, objective="critical", slo_ttft_ms=2000) + "\n"
+        + recorded_line(0.5, "tiny", 10, 2) + "\n"
+    )  # fmt: skip
+    first, second = load_recorded(path)
+    assert (first.objective, first.slo_ttft_s) == ("critical", 2.0)
+    assert (second.objective, second.slo_ttft_s) == (None, None)
