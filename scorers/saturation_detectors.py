@@ -104,12 +104,22 @@ class UtilizationDetector(SaturationDetector):
     ) -> float:
         if not pods:
             return 0.0
-        score = self.pod_score
+        # pod_score, inlined: this loop runs for every pod on every request's admission.
+        threshold, kv_threshold, stale = self._queue, self._kv, self._stale
         total = 0.0
         for pod in pods:
-            total += score(pod, now)
+            m = pod.metrics
+            scraped = m.scraped_at
+            if scraped == 0.0 or now - scraped > stale:
+                total += 1.0
+                continue
+            waiting = m.waiting
+            unscraped = pod.inflight.requests - waiting - m.running
+            queue = (waiting + unscraped if unscraped > 0 else waiting) / threshold
+            kv = m.kv_usage / kv_threshold
+            total += queue if queue > kv else kv
         # A reserved request will join some pod's queue: spread it over the pool.
-        return (total + reserved.requests / self._queue) / len(pods)
+        return (total + reserved.requests / threshold) / len(pods)
 
     def over_limit(self, pod: PodState, now: float) -> bool:
         p = self.params
@@ -208,14 +218,16 @@ class PrefillBacklogDetector(SaturationDetector):
         then sends the request to a pod with room). Reserved prompts count on that pod."""
         if not pods:
             return 0.0
-        score = self.pod_score
-        extra = reserved.tokens
-        least = score(pods[0], extra)
+        # pod_score, inlined: this loop runs for every pod on every request's admission.
+        budget, kv_threshold, extra = self._budget_tokens, self._kv, reserved.tokens
+        least = float("inf")
         for pod in pods:
-            value = score(pod, extra)
+            backlog = pod.inflight.prefilling_tokens + extra
+            kv = pod.metrics.kv_usage / kv_threshold * budget
+            value = backlog if backlog > kv else kv
             if value < least:
                 least = value
-        return least
+        return least / budget
 
     def over_limit(self, pod: PodState, now: float) -> bool:
         return self.pod_score(pod) > 1 + self.params.headroom

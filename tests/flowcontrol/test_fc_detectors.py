@@ -125,3 +125,22 @@ plugins:
     assert isinstance(util, UtilizationDetector)
     assert util.params.queueDepthThreshold == 3
     assert util.params.metricsStalenessThreshold == 1.0
+
+
+def test_prefill_backlog_detector_has_room_while_one_pod_has() -> None:
+    from smart_epp.scorers.saturation_detectors import PrefillBacklogDetector
+
+    clock = Clock()
+    detector = PrefillBacklogDetector(
+        "p",
+        PrefillBacklogDetector.Params(prefillTokensPerSecond=1000, maxPrefillSeconds=2.0),
+    )
+    pods = pool(clock).pods()
+    pods[0].inflight.prefilling_tokens = 4000  # 4 s of prefill queued: full
+    pods[1].inflight.prefilling_tokens = 1000  # 1 s: room
+    assert detector.saturation(pods, clock()) == pytest.approx(0.5)
+    assert detector.over_limit(pods[0], clock()) and not detector.over_limit(pods[1], clock())
+    # A reserved 1,000-token prompt fills the pod with room.
+    assert detector.saturation(pods, clock(), Reserved(1, 1000)) == pytest.approx(1.0)
+    pods[1].metrics.kv_usage = 0.88  # KV nearly full: no room there either
+    assert detector.saturation(pods, clock()) == pytest.approx(1.1)
