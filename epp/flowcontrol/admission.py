@@ -75,10 +75,10 @@ def request_size(request: LLMRequest) -> int:
 
 
 class AdmissionController(CandidateFilter):
-    """Admission, flow control, and the candidate filter that keeps a request released
-    from the queue off the pods that are past their limit, so it goes where the room that
-    released it is (every pod when none has room: fail open). Requests admitted straight
-    away (the pool not saturated) are left to the scheduler's own load terms."""
+    """Admission, flow control, and (with flow control on) the candidate filter that
+    keeps requests off the pods past their limit, so a request goes where the room that
+    admitted it is (every pod when none has room: fail open). A detector that calls the
+    pool unsaturated while one pod has room relies on it."""
 
     def __init__(
         self,
@@ -111,8 +111,6 @@ class AdmissionController(CandidateFilter):
         # tokens by flow, and the total.
         self._reserved: dict[int, int] = {}
         self._reserved_tokens = 0
-        # Requests released from the queue, by id of their LLMRequest, until booked.
-        self._released: set[int] = set()
 
     # ------------------------------------------------------------------ state
 
@@ -140,7 +138,7 @@ class AdmissionController(CandidateFilter):
         return self.queue.requests
 
     def candidates(self, request: LLMRequest, pods: Sequence[PodState]) -> list[PodState]:
-        if id(request) not in self._released:
+        if not self.flow_control:
             return list(pods)
         now = self.clock()
         over = self.detector.over_limit
@@ -212,7 +210,6 @@ class AdmissionController(CandidateFilter):
         tokens = self._reserved.pop(id(flow), None)
         if tokens is not None:
             self._reserved_tokens -= tokens
-            self._released.discard(id(flow.request))
 
     def cancel(self, flow: FlowRequest) -> bool:
         """The client left while the request waited: out of the queue at once."""
@@ -255,7 +252,6 @@ class AdmissionController(CandidateFilter):
             if waiting is None:
                 continue
             self._reserve(flow)
-            self._released.add(id(flow.request))
             self.observer.dispatched(item.priority, now - item.enqueued_at)
             dispatched += 1
             self._wake(waiting[1], None)
