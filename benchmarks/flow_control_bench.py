@@ -3,9 +3,9 @@
 1. Added cost per request while the pool is not saturated: one request's whole life
    through `RequestFlow` (admission, scheduling with a trivial first-candidate scheduler,
    booking, routed, first byte, finish), with admission and without it, alternated in
-   blocks over a pool of 8 pods with fresh metrics. Measured for the detectors of the
-   shipped `default-flow-control` config (utilization-detector) and of the replay's
-   prefill-backlog config.
+   blocks over a pool of 8 pods with fresh metrics. Measured for the shipped
+   `default-flow-control` config (prefill-backlog-detector) and for a config with the
+   utilization-detector.
 2. Shed latency live: `epp sim` pods, `epp serve` with flow control and objectives, and
    Envoy (`epp envoy`), all real processes. With the pool saturated by long requests, a
    sheddable request's time to its 429 through Envoy, against a 1-token request served
@@ -239,18 +239,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
     args = parser.parse_args(argv)
     blocks, per_block, live = (5, 500, 50) if args.quick else (15, 2000, 200)
-    result: dict[str, object] = {
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "goals": GOALS,
-        "not_saturated": {
-            name: admission_overhead(name, blocks, per_block)
-            for name in (
-                "default-flow-control",
-                str(REPO / "benchmarks/replay/configs/flow-control-h100-8b.yaml"),
-            )
-        },
-    }
     with tempfile.TemporaryDirectory() as tmp:
+        # The shipped config with the utilization-detector instead, for comparison.
+        utilization = Path(tmp) / "utilization.yaml"
+        utilization.write_text(
+            (REPO / "epp/configs/default-flow-control.yaml")
+            .read_text()
+            .replace("prefill-backlog-detector", "utilization-detector")
+            .replace("prefillTokensPerSecond: 10000", "queueDepthThreshold: 5")
+            .replace("maxPrefillSeconds: 1.0", "kvCacheUtilThreshold: 0.8")
+        )
+        result: dict[str, object] = {
+            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "goals": GOALS,
+            "not_saturated": {
+                "default-flow-control (prefill-backlog-detector)": admission_overhead(
+                    "default-flow-control", blocks, per_block
+                ),
+                "utilization-detector": admission_overhead(str(utilization), blocks, per_block),
+            },
+        }
         result["shed_live"] = asyncio.run(_shed_scenario(Path(tmp), live))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
