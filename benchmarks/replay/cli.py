@@ -16,7 +16,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ...epp.config import ConfigError, LoadedConfig, load_config
 from ...epp.flowcontrol.objectives import ObjectiveTable
-from ..sim.profiles import DEFAULT_PROFILE, PROFILES, ProfileError, get_profile
+from ..sim.profiles import (
+    DEFAULT_PROFILE,
+    ProfileError,
+    builtin_names,
+    get_profile,
+)
 from ..sim.routing_latency import DEFAULT_ROUTING_LATENCY_S
 from .arrivals import (
     Stage,
@@ -79,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--profile",
         default=DEFAULT_PROFILE,
         metavar="NAME|FILE",
-        help=f"latency profile of the simulated pods: {', '.join(PROFILES)}, or a profile "
+        help=f"latency profile of the simulated pods: {', '.join(builtin_names())}, or a profile "
         "YAML file (default: %(default)s)",
     )
     p.add_argument(

