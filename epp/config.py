@@ -23,12 +23,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..framework.plugins import Filter, Picker, Plugin, Scorer
 from ..framework.registry import registered_plugins
 from ..scorers import catalog  # noqa: F401  (registers the built-in plugins)
+from .flowcontrol.settings import (
+    DETECTOR_TYPES,
+    FLOW_CONTROL_GATE,
+    FlowControlSpec,
+    SaturationDetectorRef,
+    gate_enabled,
+)
 
 API_VERSIONS = (
     "inference.networking.x-k8s.io/v1alpha1",
     "inference.networking.k8s.io/v1alpha1",
 )
-BUILTIN_CONFIGS = ("default", "gie-default", "llmd-precise")
+BUILTIN_CONFIGS = ("default", "gie-default", "llmd-precise", "default-flow-control")
 DEFAULT_PICKER = "max-score-picker"
 
 # --------------------------------------------------------------------------- registry
@@ -71,9 +78,12 @@ class EndpointPickerConfig(_Strict):
     kind: Literal["EndpointPickerConfig"] = "EndpointPickerConfig"
     plugins: list[PluginSpec] = Field(min_length=1)
     schedulingProfiles: list[SchedulingProfile] = Field(default_factory=list)
-    # Accepted for compatibility; smart-epp configures these elsewhere.
+    # "flowControl" turns flow control on, as in llm-d; other gates are accepted.
     featureGates: list[str] | None = None
-    saturationDetector: dict[str, Any] | None = None
+    flowControl: FlowControlSpec | None = None
+    # The older top-level form (a pluginRef, or the Inference Extension's inline thresholds).
+    saturationDetector: SaturationDetectorRef | None = None
+    # Accepted for compatibility; smart-epp configures these elsewhere.
     data: dict[str, Any] | None = None
 
 
@@ -215,6 +225,7 @@ def validate_config(
                 pickers += 1
         if pickers > 1:
             issues.append((("schedulingProfiles", p, "plugins"), "at most one picker per profile"))
+    _check_flow_control(config, refs, loaded, issues)
     names = [profile.name for profile in config.schedulingProfiles]
     for p, name in enumerate(names):
         if names.index(name) != p:
@@ -222,6 +233,34 @@ def validate_config(
     if issues:
         raise _error(source, root, issues)
     return loaded
+
+
+def _check_flow_control(
+    config: EndpointPickerConfig,
+    refs: dict[str, int],
+    loaded: LoadedConfig,
+    issues: list[tuple[Loc, str]],
+) -> None:
+    spec = config.flowControl
+    for loc, ref in (
+        (("flowControl", "saturationDetector", "pluginRef"), spec and spec.saturationDetector),
+        (("saturationDetector", "pluginRef"), config.saturationDetector),
+    ):
+        if ref is None or ref.pluginRef is None:
+            continue
+        if ref.pluginRef not in refs:
+            issues.append((loc, f"no plugin named {ref.pluginRef!r} in plugins"))
+        elif config.plugins[refs[ref.pluginRef]].type not in DETECTOR_TYPES:
+            issues.append((loc, f"{ref.pluginRef!r} is not one of {', '.join(DETECTOR_TYPES)}"))
+    if spec is not None and not gate_enabled(config.featureGates, FLOW_CONTROL_GATE):
+        loaded.warnings.append(
+            "flowControl is set but the flowControl feature gate is off: only its "
+            "saturationDetector is used (add featureGates: [flowControl] to turn it on)"
+        )
+    if spec is not None and spec.usageLimitPolicyPluginRef:
+        loaded.warnings.append("flowControl.usageLimitPolicyPluginRef is not used by smart-epp")
+    if spec is not None and spec.enableEviction:
+        loaded.warnings.append("flowControl.enableEviction is not used by smart-epp")
 
 
 def _error(source: str, root: yaml.Node | None, issues: list[tuple[Loc, str]]) -> ConfigError:
@@ -238,7 +277,7 @@ def load_config_file(path: str | Path) -> LoadedConfig:
 
 
 def builtin_config(name: str) -> LoadedConfig:
-    """One of the configs shipped with smart-epp: default, gie-default, llmd-precise."""
+    """One of the configs shipped with smart-epp (BUILTIN_CONFIGS)."""
     if name not in BUILTIN_CONFIGS:
         raise ValueError(f"no built-in config {name!r}; choose one of {', '.join(BUILTIN_CONFIGS)}")
     text = importlib.resources.files("smart_epp.epp.configs").joinpath(f"{name}.yaml").read_text()

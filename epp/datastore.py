@@ -97,26 +97,47 @@ class Datastore:
 
     # ------------------------------------------------------------ in-flight accounting
 
-    def book(self, address: str, prompt_tokens: int, adapter: str | None) -> bool:
-        """Counts one request in flight on `address`; False when no such pod exists."""
+    def book(
+        self, address: str, prompt_tokens: int, adapter: str | None, prefilling: bool = True
+    ) -> bool:
+        """Counts one request in flight on `address` (still waiting for its first byte
+        unless `prefilling` is false); False when no such pod exists."""
         pod = self._pods.get(address)
         if pod is None:
             return False
         inflight = pod.inflight
         inflight.requests += 1
         inflight.prompt_tokens += prompt_tokens
+        if prefilling:
+            inflight.prefilling += 1
+            inflight.prefilling_tokens += prompt_tokens
         if adapter:
             inflight.adapters[adapter] += 1
         return True
 
-    def release(self, address: str, prompt_tokens: int, adapter: str | None) -> None:
-        """Undoes one `book`; a pod that left the pool meanwhile has nothing to undo."""
+    def prefilled(self, address: str, prompt_tokens: int) -> None:
+        """A booked request's first byte came back: its prefill is done."""
+        pod = self._pods.get(address)
+        if pod is None:
+            return
+        inflight = pod.inflight
+        inflight.prefilling = max(0, inflight.prefilling - 1)
+        inflight.prefilling_tokens = max(0, inflight.prefilling_tokens - prompt_tokens)
+
+    def release(
+        self, address: str, prompt_tokens: int, adapter: str | None, prefilling: bool = False
+    ) -> None:
+        """Undoes one `book` (and its prefill count when it never saw a first byte); a pod
+        that left the pool meanwhile has nothing to undo."""
         pod = self._pods.get(address)
         if pod is None:
             return
         inflight = pod.inflight
         inflight.requests = max(0, inflight.requests - 1)
         inflight.prompt_tokens = max(0, inflight.prompt_tokens - prompt_tokens)
+        if prefilling:
+            inflight.prefilling = max(0, inflight.prefilling - 1)
+            inflight.prefilling_tokens = max(0, inflight.prefilling_tokens - prompt_tokens)
         if adapter:
             remaining = inflight.adapters[adapter] - 1
             if remaining > 0:

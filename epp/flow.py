@@ -1,6 +1,7 @@
 """RequestFlow: one request's life from parsed body to outcome, with no I/O of its own.
 
-    start -> route (candidates -> schedule -> book in-flight) -> routed
+    start -> route ([admission: wait for room] -> candidates -> schedule -> book in-flight)
+          -> routed
           -> [first_byte] -> [served_by: re-book to the endpoint that answered]
           -> finish (release, outcome hooks)
 
@@ -12,13 +13,20 @@ The flow is the only place that filters candidates (readiness, subset hint, the 
 candidate filters) and the only owner of per-request state: one `FlowRequest` per open
 request, in one bounded table. When the table is full, the oldest request is ended as
 lost (its in-flight load released, its outcome `ok=False`) rather than leaked.
+
+Admission (optional) runs first in `route`: saturation-aware rejection of sheddable
+requests and flow control, which may hold the request until a pod has room. Its
+dispatch trigger is `pump`, called here whenever a request ends; the gateway also calls
+it after metrics scrapes and on a timer, the replay on its simulated events.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from ..framework.lifecycle import CandidateFilter, FlowRequest, OutcomeObserver, RoutedObserver
 from ..framework.scheduling import Scheduler
@@ -29,6 +37,17 @@ from .errors import RequestError
 log = logging.getLogger(__name__)
 
 MAX_OPEN_REQUESTS = 100_000
+
+Wake = Callable[[RequestError | None], None]
+
+
+class Admission(Protocol):
+    """The admission step (see `epp.flowcontrol.admission.AdmissionController`)."""
+
+    def admit(self, flow: FlowRequest, wake: Wake) -> bool: ...
+    def settled(self, flow: FlowRequest) -> None: ...
+    def cancel(self, flow: FlowRequest) -> bool: ...
+    def pump(self) -> int: ...
 
 
 class RequestFlow:
@@ -41,8 +60,10 @@ class RequestFlow:
         destination_count: int = 1,
         hooks: Iterable[object] = (),
         max_open: int = MAX_OPEN_REQUESTS,
+        admission: Admission | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.admission = admission
         self.datastore = datastore
         self.clock = clock
         self.destination_count = max(1, destination_count)
@@ -52,6 +73,8 @@ class RequestFlow:
         self._outcomes: list[OutcomeObserver] = []
         for hook in hooks:
             self.add_hook(hook)
+        if isinstance(admission, CandidateFilter):  # flow control's pods-with-room filter
+            self.add_hook(admission)
         # Insertion-ordered: the first entry is the oldest open request.
         self._open: dict[int, FlowRequest] = {}
 
@@ -89,11 +112,63 @@ class RequestFlow:
             pods = f.candidates(request, pods)
         return pods
 
-    async def route(self, flow: FlowRequest, subset: Sequence[str] | None = None) -> list[PodState]:
-        """Chooses the destination (primary first, then fallbacks) and books the primary.
+    def admit(self, flow: FlowRequest, wake: Wake) -> bool:
+        """The admission step alone, for drivers that wait in their own way (the replay).
 
-        Raises `RequestError.no_endpoint` when no pod can take the request.
+        True: route it now (with `admitted=True`). False: it waits; `wake(None)` means
+        route it now, `wake(error)` that it was refused. Raises RequestError (e.g. 429)."""
+        if self.admission is None:
+            return True
+        return self.admission.admit(flow, wake)
+
+    def abandon(self, flow: FlowRequest) -> None:
+        """The client left before the request was routed: it leaves the queue at once."""
+        if self.admission is not None:
+            self.admission.cancel(flow)
+
+    def pump(self) -> None:
+        """Dispatch trigger: queued requests go on if a pod has room now."""
+        if self.admission is not None:
+            self.admission.pump()
+
+    async def _wait_for_admission(self, flow: FlowRequest, admission: Admission) -> None:
+        waiter: asyncio.Future[RequestError | None] | None = None
+
+        def wake(error: RequestError | None) -> None:
+            if waiter is not None and not waiter.done():
+                waiter.set_result(error)
+
+        waiter = asyncio.get_running_loop().create_future()
+        if admission.admit(flow, wake):
+            return
+        try:
+            error = await waiter
+        except asyncio.CancelledError:  # the client went away while queued
+            admission.cancel(flow)
+            raise
+        if error is not None:
+            raise error
+
+    async def route(
+        self, flow: FlowRequest, subset: Sequence[str] | None = None, *, admitted: bool = False
+    ) -> list[PodState]:
+        """Admits the request (it may wait for room), chooses the destination (primary
+        first, then fallbacks) and books the primary.
+
+        Raises `RequestError`: `no_endpoint` when no pod can take the request, `shed`
+        (429) or `no_endpoint` (503) when admission refuses it.
         """
+        admission = self.admission
+        if admission is None:
+            return await self._schedule(flow, subset)
+        if not admitted:
+            await self._wait_for_admission(flow, admission)
+        try:
+            return await self._schedule(flow, subset)
+        finally:
+            admission.settled(flow)
+
+    async def _schedule(self, flow: FlowRequest, subset: Sequence[str] | None) -> list[PodState]:
         request = flow.request
         candidates = self.candidates(request, subset)
         if not candidates:
@@ -130,7 +205,8 @@ class RequestFlow:
 
     def _book_on(self, flow: FlowRequest, address: str) -> None:
         tokens = flow.request.estimated_prompt_tokens()
-        if self.datastore.book(address, tokens, flow.request.adapter):
+        waiting_first_byte = flow.first_byte_at is None
+        if self.datastore.book(address, tokens, flow.request.adapter, waiting_first_byte):
             flow.served = address
             flow.booked_tokens = tokens
         else:  # an address outside the pool: nothing to account
@@ -139,7 +215,12 @@ class RequestFlow:
 
     def _release(self, flow: FlowRequest) -> None:
         if flow.served is not None and flow.booked_tokens >= 0:
-            self.datastore.release(flow.served, flow.booked_tokens, flow.request.adapter)
+            self.datastore.release(
+                flow.served,
+                flow.booked_tokens,
+                flow.request.adapter,
+                prefilling=flow.first_byte_at is None,
+            )
         flow.booked_tokens = -1
 
     def routed(self, flow: FlowRequest) -> None:
@@ -164,7 +245,11 @@ class RequestFlow:
     def first_byte(self, flow: FlowRequest, at: float | None = None) -> None:
         """The first byte of the response body arrived (`at`: when, on the flow's clock)."""
         if flow.first_byte_at is None:
+            if flow.served is not None and flow.booked_tokens >= 0:
+                self.datastore.prefilled(flow.served, flow.booked_tokens)
             flow.first_byte_at = self.clock() if at is None else at
+            if self.admission is not None:  # its pod's prefill queue just got shorter
+                self.admission.pump()
 
     def served_by(self, flow: FlowRequest, address: str) -> None:
         """A fallback (or a retry) answered: move the in-flight load to it."""
@@ -212,7 +297,9 @@ class RequestFlow:
                 observer.on_outcome(flow, outcome)
             except Exception:  # bookkeeping must never fail a request
                 log.exception("outcome hook %r failed", observer)
+        if self.admission is not None:  # its pod has room for a queued request now
+            self.admission.pump()
         return outcome
 
 
-__all__ = ["MAX_OPEN_REQUESTS", "RequestFlow"]
+__all__ = ["MAX_OPEN_REQUESTS", "Admission", "RequestFlow"]

@@ -210,11 +210,14 @@ class MetricsScraper:
         clock: Callable[[], float] = time.monotonic,
         session_factory: Callable[[], aiohttp.ClientSession] | None = None,
         on_restart: Callable[[PodState], None] | None = None,
+        on_scraped: Callable[[PodState], None] | None = None,
     ) -> None:
         self._list_pods = pod_lister(datastore)
         # Called when a pod's process_start_time_seconds changes between two scrapes: the
         # pod restarted, even if nothing else (e.g. its KV-event numbering) showed it.
         self.on_restart = on_restart
+        # Called after every successful scrape (flow control's dispatch trigger).
+        self.on_scraped = on_scraped
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.stale_after_s = stale_after_s
@@ -321,6 +324,11 @@ class MetricsScraper:
             self._unready_by_us.discard(pod.address)
             pod.ready = True
             log.info("pod %s answers /metrics again; back in the candidate set", pod.address)
+        if self.on_scraped is not None:
+            try:
+                self.on_scraped(pod)
+            except Exception:
+                log.exception("scrape listener failed for %s", pod.address)
         return True
 
     def _restarted(self, pod: PodState) -> None:

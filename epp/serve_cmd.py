@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,16 @@ from .discovery import EndpointsFileWatcher, endpoints_from_addresses, parse_add
 from .drain import DEFAULT_DRAIN_NOTICE_S, DEFAULT_DRAIN_TIMEOUT_S, drain
 from .flags import add_secure_serving
 from .flow import RequestFlow
+from .flowcontrol.admission import AdmissionController
+from .flowcontrol.build import build_admission, flow_control_enabled
+from .flowcontrol.edge import run_admission_clock, watch_objectives
+from .flowcontrol.metrics import FlowControlMetrics
+from .flowcontrol.objectives import (
+    ObjectivesError,
+    ObjectivesFileWatcher,
+    ObjectiveTable,
+    parse_objectives,
+)
 from .gateway_metrics import GatewayMetrics
 from .k8s_discovery import (
     KubernetesDiscoveryOptions,
@@ -95,6 +106,8 @@ class ServeOptions:
     # Recorded-traffic JSONL for `epp replay --format recorded`; None = not recorded.
     record_traffic: Path | None = None
     record_prompts: bool = False  # prompts are user data: sizes and timing only by default
+    # InferenceObjective YAML (priorities by objective name), reloaded on change.
+    objectives_file: Path | None = None
     # Central mode: only publishers with an allowed CURVE key may connect; None = open.
     kv_events_curve: CurveServerConfig | None = None
     # Paths forwarded to the pods; any other is answered 404 by the picker.
@@ -234,14 +247,36 @@ async def serve(
             background.spawn(events.reset_pod(pod.address))
         poller.refresh_soon(pod.address)
 
-    scraper = MetricsScraper(
-        datastore, interval_s=options.scrape_interval_s, on_restart=pod_restarted
-    )
+    admission: AdmissionController | None = None
+    objectives_watcher: ObjectivesFileWatcher | None = None
+    if flow_control_enabled(loaded) or options.objectives_file is not None:
+        flow_metrics = FlowControlMetrics(metrics.registry)
+        objectives = ObjectiveTable(on_unknown=flow_metrics.unknown_objective)
+        # The scraper stamps metrics with time.monotonic: staleness is judged on that clock.
+        admission = build_admission(
+            loaded,
+            datastore.ready_pods,
+            clock=time.monotonic,
+            objectives=objectives,
+            observer=flow_metrics,
+        )
+        flow_metrics.watch(admission)
+        if options.objectives_file is not None:
+            pool = options.k8s.pool_name if options.k8s is not None else None
+            objectives_watcher = ObjectivesFileWatcher(options.objectives_file, objectives, pool)
+            objectives_watcher.poll()  # the objectives are in place before the first request
     flow = RequestFlow(
         scheduler,
         datastore,
         destination_count=1 + options.fallbacks,
         hooks=[ServedModelFilter(catalog)],
+        admission=admission,
+    )
+    scraper = MetricsScraper(
+        datastore,
+        interval_s=options.scrape_interval_s,
+        on_restart=pod_restarted,
+        on_scraped=(lambda _pod: flow.pump()) if admission is not None else None,
     )
     recorder: TrafficRecorder | None = None
     if options.record_traffic is not None:
@@ -273,6 +308,12 @@ async def serve(
         )
         watcher.poll()  # the first pool is in place before the first request
         background.keep(asyncio.create_task(watcher.run(), name="endpoints-file-watcher"))
+    if admission is not None:
+        background.keep(asyncio.create_task(run_admission_clock(admission), name="admission"))
+    if objectives_watcher is not None:
+        background.keep(
+            asyncio.create_task(watch_objectives(objectives_watcher), name="objectives-watcher")
+        )
     pool_watcher: KubernetesPoolWatcher | None = None
     if options.k8s is not None:
         pool_watcher = KubernetesPoolWatcher(options.k8s, datastore)
@@ -628,6 +669,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "but without them a replay cannot reproduce prefix sharing",
     )
     parser.add_argument(
+        "--objectives-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="InferenceObjective objects as YAML (a list or multi-document), reloaded on "
+        "change: a request names one with the x-gateway-inference-objective header; "
+        "spec.priority orders flow control (higher first) and a negative priority makes "
+        "the objective's requests sheddable (429 while the pool is saturated)",
+    )
+    parser.add_argument(
         "--log-level",
         type=str.lower,
         choices=LOG_LEVELS,
@@ -656,6 +707,12 @@ def run(args: argparse.Namespace) -> int:
     if args.endpoints_file is not None and not args.endpoints_file.is_file():
         log.error("endpoints file %s does not exist", args.endpoints_file)
         return 2
+    if args.objectives_file is not None:
+        try:
+            parse_objectives(args.objectives_file.read_text(), str(args.objectives_file))
+        except (OSError, ObjectivesError) as exc:
+            log.error("%s", exc)
+            return 2
     try:
         load_config(args.config)
         tls = _tls_from_args(args)
@@ -701,6 +758,7 @@ def run(args: argparse.Namespace) -> int:
         models_poll_s=args.models_poll_interval,
         record_traffic=args.record_traffic,
         record_prompts=args.record_prompts,
+        objectives_file=args.objectives_file,
     )
     run_event_loop(serve(options))
     return 0

@@ -82,6 +82,7 @@ class Exchange:
         "_labels",
         "_reader",
         "_subset",
+        "_unrouted",
         "flow",
         "gw",
         "phase",
@@ -108,6 +109,7 @@ class Exchange:
         self._body_parts: list[bytes] = []
         self._body_size = 0
         self._subset: list[str] | None = None
+        self._unrouted: FlowRequest | None = None  # started, not routed yet (maybe queued)
         self._reader: UsageReader | None = None
         # Work to do once the replies are on their way to Envoy.
         self._after: Callable[[], None] | None = None
@@ -222,10 +224,12 @@ class Exchange:
         gw.metrics.objective(*self._labels).requests.inc()
         flow = self.flow
         tracked = flow.start(request)
+        self._unrouted = tracked
         started = time.perf_counter()
         try:
             chosen = await flow.route(tracked, self._subset)
         finally:
+            self._unrouted = None
             gw.metrics.scheduler_e2e.observe(time.perf_counter() - started)
         self.tracked = tracked
         self.phase = Phase.ROUTED
@@ -341,6 +345,9 @@ class Exchange:
             self.after_replies()
         except Exception:
             log.exception("request %s: response bookkeeping failed", self.request_id or "?")
+        if self._unrouted is not None:  # the client left while the request waited for room
+            self.flow.abandon(self._unrouted)
+            self._unrouted = None
         if self.tracked is not None and not self.tracked.finished and not self._awaits_log:
             self._finish(ok=False)
 

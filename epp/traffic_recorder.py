@@ -16,10 +16,18 @@ from typing import IO, Any
 
 from ..framework.lifecycle import FlowRequest, OutcomeObserver, RoutedObserver
 from ..framework.types import Outcome
+from .flowcontrol.objectives import OBJECTIVE_HEADER, SLO_TTFT_HEADER
 
 log = logging.getLogger(__name__)
 
 RECORDED_VERSION = 1
+
+
+def _slo_ms(value: str | None) -> float | None:
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
 
 
 def recorded_line(
@@ -32,6 +40,8 @@ def recorded_line(
     prompt: str | None = None,
     messages: list[dict[str, Any]] | None = None,
     prompt_token_ids: Sequence[int] | None = None,
+    objective: str | None = None,
+    slo_ttft_ms: float | None = None,
 ) -> str:
     """One JSONL line of the recorded-traffic format.
 
@@ -46,6 +56,10 @@ def recorded_line(
         "prompt_tokens": int(prompt_tokens),
         "output_tokens": int(output_tokens),
     }
+    if objective:
+        row["objective"] = objective
+    if slo_ttft_ms is not None:
+        row["slo_ttft_ms"] = slo_ttft_ms
     if prompt_token_ids is not None:
         row["prompt_token_ids"] = list(prompt_token_ids)
     elif messages is not None:
@@ -104,6 +118,8 @@ class TrafficRecorder(RoutedObserver, OutcomeObserver):
             self._out.write(
                 recorded_line(
                     at, request.model, prompt_tokens, output_tokens, api=str(request.api),
+                    objective=request.headers.get(OBJECTIVE_HEADER),
+                    slo_ttft_ms=_slo_ms(request.headers.get(SLO_TTFT_HEADER)),
                     **content,
                 ) + "\n"
             )  # fmt: skip

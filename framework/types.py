@@ -79,6 +79,10 @@ class Inflight:
     requests: int = 0
     prompt_tokens: int = 0
     adapters: Counter[str] = field(default_factory=Counter)
+    # Of those, the ones whose first response byte has not come back yet: the prefill
+    # work this gateway has queued at the pod (estimated prompt tokens).
+    prefilling: int = 0
+    prefilling_tokens: int = 0
 
 
 @dataclass(slots=True)

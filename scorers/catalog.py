@@ -17,6 +17,7 @@ from . import (  # noqa: F401
     random_picker,
     role_filter,
     running_requests_size_scorer,
+    saturation_detectors,
     saturation_filter,
     session_affinity_scorer,
     weighted_random_picker,

@@ -14,6 +14,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ...epp.config import ConfigError, LoadedConfig, load_config
+from ...epp.flowcontrol.objectives import ObjectiveTable
 from ..sim.profiles import (
     DEFAULT_PROFILE,
     ProfileError,
@@ -30,6 +32,15 @@ from .arrivals import (
     stage_times,
 )
 from .live import LiveOptions, run_live
+from .objectives import (
+    MixEntry,
+    ObjectiveSummary,
+    assign_objectives,
+    objective_summaries,
+    parse_objective_mix,
+    parse_slo,
+    render_objective_table,
+)
 from .policies.registry import (
     ALL_POLICIES,
     PolicyContext,
@@ -114,6 +125,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="model name to send (default: the trace's, else 'model')")
     p.add_argument("--name", help="stem of the output files (default: replay_<trace name>)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument(
+        "--objective-mix",
+        metavar="NAME:PRIORITY=SHARE,...",
+        help="give requests InferenceObjectives drawn with these shares (seeded), e.g. "
+        "critical:2=0.3,standard:0=0.5,batch:-1=0.2; a negative priority is sheddable",
+    )
+    p.add_argument(
+        "--slo-ttft-ms",
+        metavar="MS|NAME=MS,...",
+        help="TTFT SLO for every request, or per objective (critical=2000,standard=2000); "
+        "the report adds goodput, the requests per second served within their SLO",
+    )
+    p.add_argument(
+        "--flow-control",
+        metavar="CONFIG",
+        help="sim mode: also run every policy with the admission and flow control of this "
+        "EndpointPickerConfig (a file, or a built-in such as default-flow-control), "
+        "reported as <policy>+fc",
+    )
     p.set_defaults(func=run)
 
 
@@ -133,11 +163,19 @@ class Workload:
         return out
 
 
+def objective_mix(args: argparse.Namespace) -> list[MixEntry] | None:
+    return parse_objective_mix(args.objective_mix) if args.objective_mix else None
+
+
 def build_workload(args: argparse.Namespace) -> Workload:
     model = args.model or "model"
     requests = load_trace(args.trace, args.format, args.limit, args.seed, model)
     if not requests:
         raise TraceError(f"{args.trace}: no requests")
+    mix = objective_mix(args)
+    slo = parse_slo(args.slo_ttft_ms) if args.slo_ttft_ms else {}
+    if mix or slo:
+        requests = assign_objectives(requests, mix, slo, args.seed)
     if args.ladder:
         stages = ladder_arrivals(parse_ladder(args.ladder), args.stage_duration)
         total = stages[-1].requests.stop
@@ -169,22 +207,35 @@ def simulate_policy(
     seed: int,
     progress: Progress | None = None,
     hooks: Sequence[object] = (),
+    flow_control: LoadedConfig | None = None,
+    objectives: ObjectiveTable | None = None,
+    label: str | None = None,
 ) -> list[RequestResult]:
     """One policy over the whole workload on a fresh pool; deterministic for a seed.
 
     `hooks` are request-lifecycle hooks registered on the simulation's request flow,
-    exactly as `epp serve` registers its own."""
+    exactly as `epp serve` registers its own; `flow_control` a config whose admission and
+    flow control the simulation's flow runs, with `objectives` for priorities."""
     pool = SimPool.build(config)
     clock_box: list[Simulation] = []
     ctx = PolicyContext(pool, lambda: clock_box[0].now if clock_box else 0.0, seed, config.model)
     policy = build_policy(name, ctx)
-    task = progress.add_task(policy_label(name), total=len(workload.requests)) if progress else None
+    shown = label or policy_label(name)
+    task = progress.add_task(shown, total=len(workload.requests)) if progress else None
 
     def done(_: RequestResult) -> None:
         if progress is not None and task is not None:
             progress.advance(task)
 
-    sim = Simulation(config, policy, pool, on_request_done=done, hooks=hooks)
+    sim = Simulation(
+        config,
+        policy,
+        pool,
+        on_request_done=done,
+        hooks=hooks,
+        flow_control=flow_control,
+        objectives=objectives,
+    )
     clock_box.append(sim)
     return asyncio.run(sim.run(workload.requests, workload.arrivals, workload.stage_of()))
 
@@ -226,18 +277,41 @@ def run_sim(args: argparse.Namespace, workload: Workload, console: Console) -> i
         model=model,
         routing_latency_s=args.routing_latency,
     )
+    flow_control: LoadedConfig | None = None
+    if args.flow_control:
+        try:
+            flow_control = load_config(args.flow_control)
+        except (ConfigError, OSError) as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            return 2
+    mix = objective_mix(args)
+    objectives = ObjectiveTable({e.objective.name: e.objective for e in mix or ()})
+    runs: list[tuple[str, str, LoadedConfig | None]] = []
+    for name in names:
+        runs.append((name, policy_label(name), None))
+        if flow_control is not None:
+            runs.append((name, f"{policy_label(name)}+fc", flow_control))
     per_policy: dict[str, list[RequestResult]] = {}
     wall_s: dict[str, float] = {}
     with progress_bar(console) as progress:
-        for name in names:
+        for name, label, admission_config in runs:
             started = time.perf_counter()
             try:
-                results = simulate_policy(name, workload, config, args.seed, progress)
+                results = simulate_policy(
+                    name,
+                    workload,
+                    config,
+                    args.seed,
+                    progress,
+                    flow_control=admission_config,
+                    objectives=objectives,
+                    label=label,
+                )
             except UnknownPolicy as exc:
                 console.print(f"[red]error:[/red] {exc}")
                 return 2
-            per_policy[policy_label(name)] = results
-            wall_s[policy_label(name)] = round(time.perf_counter() - started, 2)
+            per_policy[label] = results
+            wall_s[label] = round(time.perf_counter() - started, 2)
     console.print(
         "simulation time per policy: " + ", ".join(f"{n} {s:.1f}s" for n, s in wall_s.items())
     )
@@ -289,6 +363,10 @@ def _report(
             ladder[name] = {workload.stages[k].qps: s for k, s in by_stage.items()}
     title = f"{args.trace.name}: {mode}, {len(pods) or args.pods} pods, {args.profile}"
     console.print(render_table(summaries, ceiling, title))
+    by_objective: dict[str, dict[str, ObjectiveSummary]] = {}
+    if any(r.objective or r.slo_ttft_s for rs in per_policy.values() for r in rs):
+        by_objective = {name: objective_summaries(rs) for name, rs in per_policy.items()}
+        console.print(render_objective_table(by_objective))
     if ladder:
         console.print(render_ladder_table(ladder))
     stem = args.name or f"replay_{args.trace.stem}"
@@ -308,6 +386,19 @@ def _report(
             "block_size": args.block_size,
             "kv_event_delay_s": args.kv_event_delay,
             "scrape_interval_s": args.scrape_interval,
+            "objective_mix": args.objective_mix,
+            "slo_ttft_ms": args.slo_ttft_ms,
+            "flow_control": args.flow_control,
+            **(
+                {
+                    "objectives": {
+                        name: {o: s.as_json() for o, s in per.items()}
+                        for name, per in by_objective.items()
+                    }
+                }
+                if by_objective
+                else {}
+            ),
             "routing_latency_s": args.routing_latency,
             **(extra or {}),
         },

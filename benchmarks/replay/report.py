@@ -29,6 +29,9 @@ class RequestResult:
     cached_tokens: int = 0
     output_tokens: int = 0
     stage: int | None = None  # ladder stage, when there is one
+    objective: str | None = None  # the request's InferenceObjective, when it named one
+    slo_ttft_s: float | None = None  # its TTFT SLO, when it had one
+    refused: str | None = None  # why admission refused it (saturated, queue-full, ttl-expired)
     error: str | None = None  # why the server refused it (a short label), when it did
 
     @property

@@ -23,9 +23,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...epp.config import LoadedConfig
 from ...epp.datastore import Datastore
 from ...epp.errors import RequestError
 from ...epp.flow import RequestFlow
+from ...epp.flowcontrol.admission import AdmissionController, AdmissionRefused
+from ...epp.flowcontrol.build import build_admission
+from ...epp.flowcontrol.objectives import OBJECTIVE_HEADER, ObjectiveTable
 from ...framework.lifecycle import FlowRequest
 from ...framework.scheduling import Scheduler
 from ...framework.types import Api, Endpoint, LLMRequest, PodMetrics, PodState, Usage
@@ -156,8 +160,9 @@ def _collector_relaxed() -> Iterator[None]:
 
 
 # Event kinds, in the order they run when due at the same instant: results of a finished
-# step first (they free capacity), then what the router hears, then new arrivals.
-_STEP_DONE, _KV_DELIVERY, _SCRAPE, _ARRIVAL, _STEP_START = range(5)
+# step first (they free capacity), then what the router hears, then new arrivals, then
+# requests flow control lets go.
+_STEP_DONE, _KV_DELIVERY, _SCRAPE, _ARRIVAL, _STEP_START, _DISPATCH = range(6)
 
 
 class Simulation:
@@ -168,13 +173,28 @@ class Simulation:
         pool: SimPool | None = None,
         on_request_done: Callable[[RequestResult], None] | None = None,
         hooks: Sequence[object] = (),
+        flow_control: LoadedConfig | None = None,
+        objectives: ObjectiveTable | None = None,
     ) -> None:
         self.config = config
         self.policy = policy
         self.pool = pool or SimPool.build(config)
         self.now = 0.0
+        # Admission and flow control as `epp serve` runs them, on the virtual clock.
+        self.admission: AdmissionController | None = None
+        if flow_control is not None:
+            self.admission = build_admission(
+                flow_control,
+                self.pool.datastore.ready_pods,
+                clock=self._clock,
+                objectives=objectives,
+            )
         self.flow = RequestFlow(
-            policy.scheduler, self.pool.datastore, clock=self._clock, hooks=hooks
+            policy.scheduler,
+            self.pool.datastore,
+            clock=self._clock,
+            hooks=hooks,
+            admission=self.admission,
         )
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
@@ -207,6 +227,8 @@ class Simulation:
                 status="pending",
                 prompt_tokens=req.input_tokens,
                 stage=stages[i] if stages is not None else None,
+                objective=req.objective,
+                slo_ttft_s=req.slo_ttft_s,
             )
             results.append(result)
             # The router decides, and the pod receives, once tokenization and the decision
@@ -240,8 +262,11 @@ class Simulation:
                 await arrive(*data)
             elif kind == _SCRAPE:
                 scrape(at)
+                self.flow.pump()  # fresh metrics: queued requests may go now (or expire)
                 if self._pending:
                     self._push(at + interval, _SCRAPE, None)
+            elif kind == _DISPATCH:
+                await self._dispatch(*data)
 
     # -------------------------------------------------------------------- routing
     async def _arrive(self, req: TraceRequest, result: RequestResult) -> None:
@@ -253,11 +278,44 @@ class Simulation:
             stream=True,
             prompt_token_ids=req.token_ids(),
             max_tokens=req.output_tokens,
+            headers={OBJECTIVE_HEADER: req.objective} if req.objective else {},
         )
         flow = self.flow
         tracked = flow.start(llm)
+
+        def wake(error: RequestError | None) -> None:
+            self._push(self.now, _DISPATCH, (req, result, tracked, error))
+
         try:
-            await flow.route(tracked)
+            admitted = flow.admit(tracked, wake)
+        except RequestError as error:
+            self._refuse(result, error)
+            return
+        if admitted:
+            await self._route(req, result, tracked)
+
+    async def _dispatch(
+        self,
+        req: TraceRequest,
+        result: RequestResult,
+        tracked: FlowRequest,
+        error: RequestError | None,
+    ) -> None:
+        if error is not None:
+            self._refuse(result, error)
+        else:
+            await self._route(req, result, tracked)
+
+    def _refuse(self, result: RequestResult, error: RequestError) -> None:
+        if isinstance(error, AdmissionRefused):
+            result.refused = error.reason.value
+        self._fail(result, error.status)
+
+    async def _route(self, req: TraceRequest, result: RequestResult, tracked: FlowRequest) -> None:
+        flow = self.flow
+        llm = tracked.request
+        try:
+            await flow.route(tracked, admitted=True)
         except RequestError as error:
             self._fail(result, error.status)
             return
@@ -278,6 +336,7 @@ class Simulation:
             flow.finish(tracked, ok=False, status=400)
             self._fail(result, 400)
             return
+        # Latencies count from arrival: time spent waiting in flow control included.
         self._tracked[llm.request_id] = _Tracked(req, tracked, result, result.arrival_s)
         if not self._busy[address]:
             self._busy[address] = True

@@ -48,6 +48,8 @@ class TraceRequest:
     messages: list[dict[str, Any]] | None = None  # chat text, when the source had text
     prompt_text: str | None = None  # completion text, when the source had text
     input_tokens: int = field(default=0)
+    objective: str | None = None  # the InferenceObjective it names, when known
+    slo_ttft_s: float | None = None  # its TTFT SLO, when it has one
 
     def __post_init__(self) -> None:
         if not self.input_tokens:
@@ -383,6 +385,8 @@ def load_recorded(path: Path, limit: int | None = None) -> list[TraceRequest]:
             tokens = array("i", text_to_tokens(prompt))
         else:
             tokens = _seeded_tokens(f"recorded:{lineno}", prompt_tokens)
+        objective = row.get("objective")
+        slo_ms = row.get("slo_ttft_ms")
         out.append(
             TraceRequest(
                 index=len(out),
@@ -392,6 +396,8 @@ def load_recorded(path: Path, limit: int | None = None) -> list[TraceRequest]:
                 model=model,
                 messages=messages if isinstance(messages, list) else None,
                 prompt_text=prompt if isinstance(prompt, str) else None,
+                objective=objective if isinstance(objective, str) and objective else None,
+                slo_ttft_s=slo_ms / 1000.0 if isinstance(slo_ms, int | float) else None,
             )
         )
         if limit is not None and len(out) >= limit:

@@ -1,1 +1,2 @@
-"""Built-in EndpointPickerConfig files (default, gie-default, llmd-precise)."""
+"""Built-in EndpointPickerConfig files (default, gie-default, llmd-precise,
+default-flow-control)."""
