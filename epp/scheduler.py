@@ -27,7 +27,13 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 
-from ..framework.plugins import OutcomeHook, Plugin, RoutingHook, SchedulingContext
+from ..framework.plugins import (
+    DecisionHook,
+    OutcomeHook,
+    Plugin,
+    RoutingHook,
+    SchedulingContext,
+)
 from ..framework.scheduling import PrefixMatcher, PromptTokenizer
 from ..framework.types import Decision, LLMRequest, Outcome, PodState, PrefixHit
 from ..kv_index.api import BlockIndex
@@ -37,6 +43,9 @@ from .config import LoadedConfig, PluginSet, Profile, instantiate, load_config
 from .tokenization import LocalTokenizer, PodTokenizer, TokenizerRouter
 
 log = logging.getLogger(__name__)
+
+# `SchedulingContext.kept` key: prompt tokens the KV index said the chosen pod holds.
+PREDICTED_CACHED_TOKENS = "prefix.predicted_cached_tokens"
 
 _BUCKETS = (
     0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005,
@@ -131,6 +140,9 @@ class PipelineScheduler:
         self.needs_prefix_hits = any(p.needs_prefix_hits for p in active)
         self._routing_hooks = [p for p in active if isinstance(p, RoutingHook)]
         self._outcome_hooks = [p for p in active if isinstance(p, OutcomeHook)]
+        self._decision_hooks = [p for p in active if isinstance(p, DecisionHook)]
+        if isinstance(plugins.handler, DecisionHook):
+            self._decision_hooks.append(plugins.handler)
         metrics = metrics or scheduler_metrics()
         plugin_timer = metrics.plugin
         self._e2e = metrics.e2e
@@ -285,6 +297,9 @@ class PipelineScheduler:
         decision = Decision(
             endpoints=picked, profile=profile.name, prompt_token_ids=ctx.token_ids, context=ctx
         )
+        if picked:
+            for hook in self._decision_hooks:
+                hook.on_decided(ctx, decision)
         if ctx.explain:
             decision.explain = self._explanation(ctx, pods, per_scorer, totals)
             log.debug(self._explain_line(ctx, decision))
@@ -336,6 +351,9 @@ class PipelineScheduler:
             return
         ctx.now = self.clock()
         chosen = decision.endpoints[0]
+        if ctx.prefix_hits is not None:
+            # What the index predicted the chosen pod holds, for the live prefix audit.
+            ctx.kept[PREDICTED_CACHED_TOKENS] = ctx.hit_tokens(chosen.address)
         for plugin in self._routing_hooks:
             plugin.on_routed(ctx, chosen)
         self._speculate(ctx, chosen)
@@ -395,7 +413,16 @@ def tokenizer_from_config(plugins: PluginSet, base_model: str | None = None) -> 
             cache_bytes=p.cacheBytes,
         )
     pod_settings = plugins.of_type("pod-tokenizer")
-    if pod_settings:
+    producers = plugins.of_type("token-producer")
+    if producers:
+        t = producers[0].params
+        fallback = PodTokenizer(
+            cache_bytes=t.cacheBytes,
+            timeout_s=t.timeout_seconds(),
+            server_url=t.vllm.url if t.vllm is not None else None,
+            server_model=t.modelName,
+        )
+    elif pod_settings:
         p = pod_settings[0].params
         fallback = PodTokenizer(cache_bytes=p.cacheBytes, timeout_s=p.timeoutSeconds)
     else:

@@ -154,6 +154,8 @@ async def serve(
 ) -> None:
     """Runs the picker until `stop` is set (or SIGINT/SIGTERM when no event is given)."""
     loaded = load_config(options.config)  # a bad config fails before anything starts
+    for note in loaded.notes:
+        log.info("config %s: %s", loaded.source, note)
     datastore = Datastore()
     background = _Background()
     metrics = GatewayMetrics(options.pool_name, lambda: len(datastore.ready_pods()))

@@ -68,6 +68,7 @@ class Exchange:
         "_after",
         "_body_parts",
         "_body_size",
+        "_forwarded",
         "_headers",
         "_labels",
         "_reader",
@@ -99,6 +100,8 @@ class Exchange:
         self._body_size = 0
         self._subset: list[str] | None = None
         self._reader: UsageReader | None = None
+        # Address Envoy dialled -> the pod it stands for, when the two differ.
+        self._forwarded: dict[str, str] = {}
         # Work to do once the replies are on their way to Envoy.
         self._after: Callable[[], None] | None = None
 
@@ -215,12 +218,25 @@ class Exchange:
             gw.metrics.scheduler_e2e.observe(time.perf_counter() - started)
         self.tracked = tracked
         self.phase = Phase.ROUTED
-        destination = chosen[0].address if len(chosen) == 1 else ",".join(p.address for p in chosen)
+        decision = tracked.decision
+        response_headers: tuple[tuple[str, str], ...] = ()
+        if decision is not None and (decision.forward or decision.request_headers):
+            # The request goes to another address than the pod's own (data-parallel
+            # ranks behind one port): remember how to map the served address back.
+            self._forwarded = {decision.destination_of(p.address): p.address for p in chosen}
+            destination = ",".join(decision.destination_of(p.address) for p in chosen)
+            extra_headers = (*extra_headers, *decision.request_headers)
+        else:
+            destination = (
+                chosen[0].address if len(chosen) == 1 else ",".join(p.address for p in chosen)
+            )
+        if decision is not None:
+            response_headers = decision.response_headers
         self._after = lambda: flow.routed(tracked)
 
         if not headers_phase:
-            return [px.route_in_body_phase(destination, extra_headers)]
-        replies = [px.route_in_headers_phase(destination, extra_headers)]
+            return [px.route_in_body_phase(destination, extra_headers, response_headers)]
+        replies = [px.route_in_headers_phase(destination, extra_headers, response_headers)]
         if self.request_mode is BodyMode.FULL_DUPLEX_STREAMED and (body_eos or body):
             replies.extend(px.streamed_request_body(body, end_of_stream=body_eos))
         return replies
@@ -264,6 +280,8 @@ class Exchange:
             self.status = status
         tracked = self.tracked
         if tracked is not None and served:
+            if self._forwarded:
+                served = self._forwarded.get(served, served)
             self.flow.served_by(tracked, served)
 
     def _on_response_headers(self, event: px.ResponseHeaders) -> list[px.Reply]:

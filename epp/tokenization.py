@@ -310,7 +310,13 @@ class PodTokenizer:
         session_factory: Callable[[], aiohttp.ClientSession] | None = None,
         attempts: int = 2,
         clock: Callable[[], float] = time.monotonic,
+        server_url: str | None = None,
+        server_model: str | None = None,
     ) -> None:
+        # A fixed tokenization server (e.g. a `vllm launch render` sidecar) instead of the
+        # candidate pods.
+        self._server_url = server_url.rstrip("/") if server_url else None
+        self._server_model = server_model  # the model name that server answers to
         self._cache: LRUCache[bytes, TokenArray] = LRUCache(cache_bytes, _ids_weight)
         self._clock = clock
         # Pods whose /tokenize failed are skipped for a while (doubling per failure), so a
@@ -358,35 +364,42 @@ class PodTokenizer:
         body = self.tokenize_body(request)
         if body is None:  # unreachable: a cache key implies a prompt or messages
             return None
+        if self._server_url is not None and self._server_model:
+            body["model"] = self._server_model
         now = self._clock()
         skip_until = self._skip_until
-        usable = [p for p in pods if p.ready] or list(pods)
-        ready = [p for p in usable if skip_until.get(p.address, 0.0) <= now]
+        if self._server_url is not None:
+            servers = [self._server_url]
+        else:
+            usable = [p for p in pods if p.ready] or list(pods)
+            servers = [f"http://{p.address}" for p in usable]
+        ready = [s for s in servers if skip_until.get(s, 0.0) <= now]
         if not ready:
             TOKENIZE_TOTAL.labels("pod", "unavailable").inc()
             return None
         for attempt in range(min(self._attempts, len(ready))):
-            pod = ready[(self._turn + attempt) % len(ready)]
-            ids = await self._ask(pod.address, body)
+            server = ready[(self._turn + attempt) % len(ready)]
+            ids = await self._ask(server, body)
             if ids is not None:
                 self._turn += 1
-                self._failures.pop(pod.address, None)
-                skip_until.pop(pod.address, None)
+                self._failures.pop(server, None)
+                skip_until.pop(server, None)
                 self._cache.put(key, _pack(ids))
                 TOKENIZE_TOTAL.labels("pod", "ok").inc()
                 return ids
-            failures = self._failures.get(pod.address, 0) + 1
-            self._failures[pod.address] = failures
-            skip_until[pod.address] = self._clock() + min(
+            failures = self._failures.get(server, 0) + 1
+            self._failures[server] = failures
+            skip_until[server] = self._clock() + min(
                 MAX_TOKENIZE_BACKOFF_S, FIRST_TOKENIZE_BACKOFF_S * 2 ** (failures - 1)
             )
         TOKENIZE_TOTAL.labels("pod", "error").inc()
         return None
 
     async def _ask(self, address: str, body: dict[str, Any]) -> list[int] | None:
+        """POSTs to `address` (a base URL such as http://10.0.0.5:8000)."""
         try:
             async with self._client().post(
-                f"http://{address}/tokenize", json=body, timeout=self._timeout
+                f"{address}/tokenize", json=body, timeout=self._timeout
             ) as resp:
                 if resp.status != 200:
                     log.warning("POST %s/tokenize answered %s", address, resp.status)

@@ -22,6 +22,10 @@ from ..framework.registry import register_plugin
 from ..framework.types import LLMRequest, PodState
 
 SCRATCH_KEY = "prefix-cache-scorer.hashes"
+AUTO_TUNE_REFUSED = (
+    "autoTune (sizing blocks and the LRU from the pods' cache metrics) is not implemented; "
+    "set blockSize and lruCapacityPerServer instead"
+)
 
 
 class PrefixCacheParams(PluginParams):
@@ -30,6 +34,15 @@ class PrefixCacheParams(PluginParams):
     maxPrefixBlocksToMatch: int = Field(default=256, gt=0)
     lruCapacityPerServer: int = Field(default=31250, gt=0)
     autoTune: bool = False
+    # The producer whose matches this scorer scores (llm-d); the loader builds the scorer
+    # that matches that producer's kind (approximate here, or precise from KV events).
+    prefixMatchInfoProducerName: str | None = None
+
+    @model_validator(mode="after")
+    def _no_auto_tune(self) -> PrefixCacheParams:
+        if self.autoTune:
+            raise ValueError(AUTO_TUNE_REFUSED)
+        return self
 
     @model_validator(mode="after")
     def _older_name(self) -> PrefixCacheParams:

@@ -109,7 +109,7 @@ def test_inference_extension_config_loads_unchanged():
     ]
     prefix = profile.scorers[0][0]
     assert prefix.params.blockSize == 5  # the older parameter name is honoured
-    assert loaded.warnings == []
+    assert loaded.notes == []
 
 
 def test_llmd_config_loads_with_named_plugins_and_ignored_indexer_settings():
@@ -137,12 +137,12 @@ plugins:
     assert instantiate(parse_config(text)).profiles[0].picker.type_name == "max-score-picker"
 
 
-def test_unknown_parameters_are_kept_as_warnings():
+def test_unknown_parameters_are_errors_naming_the_field_and_line():
     text = GIE_SAMPLE.replace("lruCapacityPerServer: 31250", "lruCapacityPerServr: 31250")
-    loaded = parse_config(text)
-    assert loaded.warnings == [
-        "plugins[1] (prefix-cache-scorer): parameters not used by smart-epp: lruCapacityPerServr"
-    ]
+    [(path, line, _, message)] = _issues(text)
+    assert path == "plugins[1].parameters.lruCapacityPerServr"
+    assert line == 11
+    assert "not a parameter of prefix-cache-scorer" in message
 
 
 def _issues(text: str) -> list[tuple[str, int | None, int | None, str]]:
