@@ -351,9 +351,8 @@ class PipelineScheduler:
             return
         ctx.now = self.clock()
         chosen = decision.endpoints[0]
-        if ctx.prefix_hits is not None:
-            # What the index predicted the chosen pod holds, for the live prefix audit.
-            ctx.kept[PREDICTED_CACHED_TOKENS] = ctx.hit_tokens(chosen.address)
+        if ctx.prefix_hits is not None and ctx.token_ids is not None:
+            ctx.kept[PREDICTED_CACHED_TOKENS] = self._predicted_cached(ctx, chosen)
         for plugin in self._routing_hooks:
             plugin.on_routed(ctx, chosen)
         self._speculate(ctx, chosen)
@@ -364,6 +363,17 @@ class PipelineScheduler:
         ctx.prefix_hits = None
         ctx.scratch.clear()
         ctx.components.clear()
+
+    def _predicted_cached(self, ctx: SchedulingContext, chosen: PodState) -> int:
+        """The cached tokens the pod should report for this request, per the index: its
+        matched blocks, capped because vLLM always computes the prompt's last token."""
+        hits = ctx.prefix_hits or {}
+        hit = hits.get(chosen.address)
+        block = ctx.block_sizes.get(chosen.address) or self._block_size(chosen)
+        if hit is None or block <= 0 or ctx.prompt_tokens <= 0:
+            return 0
+        cacheable = (ctx.prompt_tokens - 1) // block * block
+        return min(hit.blocks * block, cacheable)
 
     def _speculate(self, ctx: SchedulingContext, chosen: PodState) -> None:
         speculate = getattr(self.prefix_matcher, "speculate", None)

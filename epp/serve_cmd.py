@@ -39,6 +39,7 @@ from .k8s_discovery import (
 )
 from .model_catalog import ModelCatalog, ModelCatalogPoller, ServedModels
 from .model_routing import ServedModelFilter
+from .prefix_audit import PrefixAudit
 from .scheduler import build_scheduler
 from .scrape import MetricsScraper
 from .server import DEFAULT_MAX_BODY_BYTES, EppServer, ServerOptions
@@ -158,7 +159,10 @@ async def serve(
         log.info("config %s: %s", loaded.source, note)
     datastore = Datastore()
     background = _Background()
-    metrics = GatewayMetrics(options.pool_name, lambda: len(datastore.ready_pods()))
+    metrics = GatewayMetrics(
+        options.pool_name, lambda: len(datastore.ready_pods()), datastore.ready_pods
+    )
+    metrics.record_config(loaded.source, loaded.config.apiVersion)
 
     index = _build_index(options)
     ingest = IngestState()
@@ -214,7 +218,9 @@ async def serve(
     scraper = MetricsScraper(
         datastore, interval_s=options.scrape_interval_s, on_restart=pod_restarted
     )
-    flow = RequestFlow(scheduler, datastore, hooks=[ServedModelFilter(catalog)])
+    flow = RequestFlow(
+        scheduler, datastore, hooks=[ServedModelFilter(catalog), PrefixAudit(metrics.registry)]
+    )
     recorder: TrafficRecorder | None = None
     if options.record_traffic is not None:
         recorder = TrafficRecorder.to_file(

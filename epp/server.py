@@ -214,8 +214,12 @@ class Exchange:
         started = time.perf_counter()
         try:
             chosen = await flow.route(tracked, self._subset)
+        except RequestError:
+            gw.metrics.record_attempt(self._labels[1], None)
+            raise
         finally:
             gw.metrics.scheduler_e2e.observe(time.perf_counter() - started)
+        gw.metrics.record_attempt(self._labels[1], chosen[0].address)
         self.tracked = tracked
         self.phase = Phase.ROUTED
         decision = tracked.decision
@@ -361,7 +365,7 @@ class EppServer:
         self.options = options or ServerOptions()
         datastore = flow.datastore
         self.metrics = metrics or GatewayMetrics(
-            self.options.pool_name, lambda: len(datastore.ready_pods())
+            self.options.pool_name, lambda: len(datastore.ready_pods()), datastore.ready_pods
         )
         # Durations, token counts and response errors come from each request's outcome.
         flow.add_hook(self.metrics.outcome_recorder())
