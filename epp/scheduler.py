@@ -149,6 +149,8 @@ class PipelineScheduler:
         self._timers = {
             id(p): plugin_timer.labels(p.kind.capitalize(), p.type_name, p.name) for p in active
         }
+        # Per-request stage timings in the context, for tracing (off: nothing recorded).
+        self.record_timings = False
         self._tokenize_timer = plugin_timer.labels("Prepare", "tokenize", "tokenize")
         self._match_timer = plugin_timer.labels("Prepare", "prefix-match", "prefix-match")
 
@@ -174,6 +176,7 @@ class PipelineScheduler:
             token_ids=request.prompt_token_ids,
             rng=self.rng,
             explain=self._explaining(),
+            timings=[] if self.record_timings else None,
         )
         if self.needs_prefix_hits:
             ctx.block_sizes = {p.address: self._block_size(p) for p in candidates}
@@ -204,7 +207,10 @@ class PipelineScheduler:
                 ctx.token_ids = await self.tokenizer.tokenize(request, candidates)
             except Exception:  # no token ids means no cache information, never a 5xx
                 log.exception("tokenization failed; scheduling without cache information")
-            self._tokenize_timer.observe(time.perf_counter() - start)
+            end = time.perf_counter()
+            self._tokenize_timer.observe(end - start)
+            if ctx.timings is not None:
+                ctx.timings.append(("Prepare", "tokenize", "tokenize", start, end))
         self._count_prompt(ctx)
         if self.needs_prefix_hits and ctx.token_ids and self.prefix_matcher is not None:
             start = time.perf_counter()
@@ -214,7 +220,10 @@ class PipelineScheduler:
                 )
             except Exception:  # an index outage degrades to "nothing cached", never a 5xx
                 log.exception("prefix lookup failed; scheduling without cache information")
-            self._match_timer.observe(time.perf_counter() - start)
+            end = time.perf_counter()
+            self._match_timer.observe(end - start)
+            if ctx.timings is not None:
+                ctx.timings.append(("Prepare", "prefix-match", "index lookup", start, end))
         return ctx
 
     def prepare_sync(
@@ -264,12 +273,16 @@ class PipelineScheduler:
         timers = self._timers
         perf = time.perf_counter
         pods = list(candidates)
+        timings = ctx.timings
         for f in profile.filters:
             if not pods:
                 break
             t = perf()
             pods = f.filter(ctx, pods)
-            timers[id(f)].observe(perf() - t)
+            end = perf()
+            timers[id(f)].observe(end - t)
+            if timings is not None:
+                timings.append(("Filter", f.type_name, f.name, t, end))
 
         per_scorer: list[tuple[str, list[float]]] = []
         totals: list[float] = [0.0] * len(pods)
@@ -278,7 +291,10 @@ class PipelineScheduler:
             for scorer, weight in profile.scorers:
                 t = perf()
                 scores = scorer.score(ctx, pods)
-                timers[id(scorer)].observe(perf() - t)
+                end = perf()
+                timers[id(scorer)].observe(end - t)
+                if timings is not None:
+                    timings.append(("Scorer", scorer.type_name, scorer.name, t, end))
                 if first:
                     totals = scores if weight == 1.0 else [weight * s for s in scores]
                     first = False
@@ -288,7 +304,11 @@ class PipelineScheduler:
                     per_scorer.append((scorer.name, scores))
             t = perf()
             picked = profile.picker.pick(ctx, pods, totals)
-            timers[id(profile.picker)].observe(perf() - t)
+            end = perf()
+            timers[id(profile.picker)].observe(end - t)
+            if timings is not None:
+                picker = profile.picker
+                timings.append(("Picker", picker.type_name, picker.name, t, end))
             if self.fallbacks and len(picked) < len(pods):
                 picked = picked + self._fallbacks(pods, totals, picked)
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -83,6 +84,27 @@ class ServeOptions:
     # Recorded-traffic JSONL for `epp replay --format recorded`; None = not recorded.
     record_traffic: Path | None = None
     record_prompts: bool = False  # prompts are user data: sizes and timing only by default
+    # OTLP/gRPC collector for request traces; None = OTEL_EXPORTER_OTLP_ENDPOINT, if set.
+    otlp_endpoint: str | None = None
+
+
+def _start_tracing(
+    options: ServeOptions, flow: RequestFlow, server: EppServer, scheduler: Any
+) -> Any:
+    """Request traces over OTLP when an endpoint is configured; None (and nothing
+    imported or recorded) otherwise."""
+    endpoint = options.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not endpoint:
+        return None
+    from .tracing import RequestTracing
+
+    tracing = RequestTracing(endpoint)
+    flow.add_hook(tracing)
+    server.record_marks = True
+    if hasattr(scheduler, "record_timings"):
+        scheduler.record_timings = True
+    log.info("tracing: exporting request spans over OTLP/gRPC to %s", endpoint)
+    return tracing
 
 
 class _ForeignMetrics(Collector):
@@ -233,6 +255,7 @@ async def serve(
         options=ServerOptions(max_body_bytes=options.max_body_bytes, pool_name=options.pool_name),
         metrics=metrics,
     )
+    tracing = _start_tracing(options, flow, server, scheduler)
     metrics.registry.register(_ForeignMetrics(REGISTRY, metrics.registry))
 
     datastore.add_listener(poller.on_endpoint_added, poller.on_endpoint_removed)
@@ -294,6 +317,8 @@ async def serve(
             on_started(server)
         await stop.wait()
     finally:
+        if tracing is not None:
+            await asyncio.to_thread(tracing.close)
         await background.close()
         for stop_part in reversed(started):
             try:
@@ -514,6 +539,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "but without them a replay cannot reproduce prefix sharing",
     )
     parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="export one trace per request over OTLP/gRPC to this collector, e.g. "
+        "http://otel-collector:4317 (default: OTEL_EXPORTER_OTLP_ENDPOINT, else off)",
+    )
+    parser.add_argument(
         "--log-level",
         type=str.lower,
         choices=LOG_LEVELS,
@@ -568,6 +599,7 @@ def run(args: argparse.Namespace) -> int:
         models_poll_s=args.models_poll_interval,
         record_traffic=args.record_traffic,
         record_prompts=args.record_prompts,
+        otlp_endpoint=args.otlp_endpoint,
     )
     run_event_loop(serve(options))
     return 0

@@ -66,6 +66,7 @@ class Exchange:
 
     __slots__ = (
         "_after",
+        "_arrived",
         "_body_parts",
         "_body_size",
         "_forwarded",
@@ -100,6 +101,7 @@ class Exchange:
         self._body_size = 0
         self._subset: list[str] | None = None
         self._reader: UsageReader | None = None
+        self._arrived = 0.0  # when the first message came, recorded only for tracing
         # Address Envoy dialled -> the pod it stands for, when the two differ.
         self._forwarded: dict[str, str] = {}
         # Work to do once the replies are on their way to Envoy.
@@ -154,6 +156,8 @@ class Exchange:
     # -------------------------------------------------------------- request path
 
     async def _on_request_headers(self, event: px.RequestHeaders) -> list[px.Reply]:
+        if self.gw.record_marks:
+            self._arrived = time.perf_counter()
         self._headers = headers = event.headers
         self.request_id = headers.get("x-request-id", "")
         self._subset = event.subset
@@ -200,6 +204,7 @@ class Exchange:
         if not self.request_id:
             self.request_id = uuid.uuid4().hex
             extra_headers = (("x-request-id", self.request_id),)
+        parse_start = time.perf_counter() if gw.record_marks else 0.0
         request = parse_request(
             self._headers.get(":path", "/"),
             self._headers,
@@ -211,6 +216,8 @@ class Exchange:
         gw.metrics.objective(*self._labels).requests.inc()
         flow = self.flow
         tracked = flow.start(request)
+        if gw.record_marks:
+            tracked.marks = {"arrived": self._arrived or parse_start, "parse_start": parse_start}
         started = time.perf_counter()
         try:
             chosen = await flow.route(tracked, self._subset)
@@ -369,6 +376,8 @@ class EppServer:
         )
         # Durations, token counts and response errors come from each request's outcome.
         flow.add_hook(self.metrics.outcome_recorder())
+        # Arrival and parse instants on each request, for tracing (off: not recorded).
+        self.record_marks = False
         self.grpc_port = 0
         self.health_port = 0
         self.metrics_port = 0

@@ -74,6 +74,9 @@ class SchedulingContext:
     # Per-plugin state a routing hook keeps until the request's outcome (small records:
     # everything else in the context is dropped once the request is routed).
     kept: dict[str, Any] = field(default_factory=dict)
+    # (stage, plugin type, plugin name, start, end) on the perf_counter clock, for tracing;
+    # None (nothing recorded) unless the scheduler was asked to record timings.
+    timings: list[tuple[str, str, str, float, float]] | None = None
 
     def hit_tokens(self, address: str) -> int:
         """Prompt tokens pod `address` already holds, per the KV index."""

@@ -31,6 +31,8 @@ from vllm_pods import (
     wait_healthy,
 )
 
+from smart_epp.epp.audit_cmd import parse_audit
+
 pytestmark = [pytest.mark.real_vllm, pytest.mark.envoy]
 
 EPP = [sys.executable, "-c", "from smart_epp.epp.cli import main; main()"]
@@ -248,3 +250,61 @@ def test_restarted_pod_is_forgotten_and_routing_continues(
     for _ in range(4):
         code, body = gateway.post("/v1/completions", completion_body(unique_prompt("after"), 2))
         assert code == 200, body
+
+
+def audit_totals(gateway: Gateway) -> dict[str, int]:
+    pods = parse_audit(gateway.metrics())
+    return {
+        result: sum(getattr(a, result) for a in pods.values())
+        for result in ("exact", "over", "under")
+    }
+
+
+def test_live_audit_agrees_with_vllm_and_counts_an_induced_miss(gateway: Gateway) -> None:
+    before = audit_totals(gateway)
+    system = unique_prompt("audit-chat", words=300)
+    cases = [
+        ("/v1/completions", completion_body(unique_prompt("audit-completion", words=300))),
+        ("/v1/completions", {**completion_body(unique_prompt("audit-lora", words=300)),
+                             "model": "lora-a"}),
+        ("/v1/chat/completions", {"model": SERVED_MODEL, "max_tokens": 4, "temperature": 0,
+                                  "messages": [{"role": "system", "content": system},
+                                               {"role": "user", "content": "one"}]}),
+    ]  # fmt: skip
+    reused = 0
+    for path, body in cases:
+        for _ in range(2):  # the second time from the cache the first one left
+            learned = gateway.stored_blocks(*gateway.pods)
+            status, response = gateway.post(path, body)
+            assert status == 200, response
+            reused += response["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
+            gateway.wait_learned(gateway.pods, learned, new_full_blocks(response))
+    audited = 2 * len(cases)
+    wait_until(
+        lambda: sum(audit_totals(gateway).values()) >= sum(before.values()) + audited,
+        timeout=30,
+        what="every response to be audited",
+    )
+    after = audit_totals(gateway)
+    assert reused > 0
+    assert after == {**before, "exact": before["exact"] + audited}, gateway.log_tail()
+
+    # Induced miss: a request the pod refuses still leaves the picker's speculative entry
+    # for its prompt (it was routed), but the pod never computed it. The same prompt sent
+    # right away is predicted cached and is not.
+    prompt = unique_prompt("audit-miss", words=300)
+    status, _ = gateway.post("/v1/completions", completion_body(prompt, max_tokens=-1))
+    assert status >= 400
+    status, response = gateway.post("/v1/completions", completion_body(prompt))
+    assert status == 200, response
+    assert (response["usage"]["prompt_tokens_details"]["cached_tokens"] or 0) == 0
+    wait_until(
+        lambda: audit_totals(gateway)["over"] == after["over"] + 1,
+        timeout=30,
+        what="the induced miss to be counted as over-predicted",
+    )
+    out = subprocess.run(
+        [*EPP, "audit", "--metrics", gateway.metrics_url], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0 and "exact" in out.stdout, out.stderr
