@@ -37,6 +37,13 @@ from tokenizers import Tokenizer
 
 from ..framework.scheduling import DEFAULT_TOKENIZER_CACHE_BYTES, PromptTokenizer
 from ..framework.types import LLMRequest, PodState
+from .chat_render import (
+    content_format,
+    normalize_messages,
+    normalize_tools,
+    template_kwargs,
+    trim_to_final_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +111,10 @@ def _pack(ids: Sequence[int]) -> TokenArray:
 def request_cache_key(request: LLMRequest) -> bytes | None:
     """A compact key for the prompt (a 128-bit digest, so long prompts stay cheap to keep)."""
     if request.messages is not None:
-        text = "chat\0" + json.dumps(request.messages, sort_keys=True, separators=(",", ":"))
+        chat: Any = request.messages
+        if request.chat_template_args:
+            chat = [request.messages, request.chat_template_args]
+        text = "chat\0" + json.dumps(chat, sort_keys=True, separators=(",", ":"))
     elif request.prompt is not None:
         text = "text\0" + request.prompt
     else:
@@ -161,6 +171,7 @@ class LocalTokenizer:
         self._template = (
             chat_template_environment().from_string(chat_template) if chat_template else None
         )
+        self._content_format = content_format(chat_template)
         self._special_tokens = dict(special_tokens or {})
         self._cache: LRUCache[bytes, TokenArray] = LRUCache(cache_bytes // 2, _ids_weight)
         self._segments: LRUCache[str, TokenArray] = LRUCache(cache_bytes // 2, _segment_weight)
@@ -255,13 +266,28 @@ class LocalTokenizer:
         return [*self._prefix, *body, *self._suffix] if add_special_tokens else body
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        template_args: Mapping[str, Any] | None = None,
     ) -> str:
+        """Renders a chat as vLLM does: its normalized conversation and tools, the
+        request's template arguments (`template_args`, the chat fields as sent)."""
         if self._template is None:
             raise ValueError("this model has no chat template")
-        return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens
+        args = dict(template_args or {})
+        args.setdefault("add_generation_prompt", add_generation_prompt)
+        kwargs = template_kwargs(args)
+        conversation = normalize_messages(messages, self._content_format)
+        rendered = self._template.render(
+            messages=conversation,
+            tools=normalize_tools(args.get("tools")),
+            **{**self._special_tokens, **kwargs},
         )
+        if kwargs.get("continue_final_message"):
+            rendered = trim_to_final_message(rendered, conversation)
+        return rendered
 
     def tokenize_sync(self, request: LLMRequest) -> list[int] | None:
         if request.prompt_token_ids is not None:
@@ -276,7 +302,8 @@ class LocalTokenizer:
         if request.messages is not None:
             # vLLM tokenizes a rendered chat without adding special tokens: the template
             # already wrote them.
-            ids = self.encode(self.render_chat(request.messages), add_special_tokens=False)
+            rendered = self.render_chat(request.messages, template_args=request.chat_template_args)
+            ids = self.encode(rendered, add_special_tokens=False)
         else:
             ids = self.encode(request.prompt or "", add_special_tokens=True)
         self._cache.put(key, _pack(ids))
@@ -342,11 +369,23 @@ class PodTokenizer:
     @staticmethod
     def tokenize_body(request: LLMRequest) -> dict[str, Any] | None:
         if request.messages is not None:
-            return {
+            body: dict[str, Any] = {
                 "model": request.model,
                 "messages": request.messages,
                 "add_generation_prompt": True,
             }
+            args = request.chat_template_args
+            if args:
+                # /tokenize takes tools and the generation flags itself; documents and
+                # reasoning settings only through chat_template_kwargs.
+                kwargs = template_kwargs(args)
+                body["add_generation_prompt"] = kwargs.pop("add_generation_prompt")
+                body["continue_final_message"] = kwargs.pop("continue_final_message")
+                if args.get("tools") is not None:
+                    body["tools"] = args["tools"]
+                if kwargs:
+                    body["chat_template_kwargs"] = kwargs
+            return body
         if request.prompt is not None:
             return {"model": request.model, "prompt": request.prompt}
         return None

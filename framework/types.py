@@ -110,6 +110,9 @@ class LLMRequest:
     prompt: str | None = None  # completions/embeddings/responses text prompt
     prompt_token_ids: list[int] | None = None  # when the client sent token ids
     messages: list[dict[str, Any]] | None = None  # chat messages, as sent
+    # Chat fields that reach the chat template (tools, documents, chat_template_kwargs,
+    # add_generation_prompt, continue_final_message, reasoning_effort), as sent.
+    chat_template_args: dict[str, Any] | None = None
     cache_salt: str | None = None
     max_tokens: int | None = None
     session_id: str | None = None  # from the x-session-id header, for session affinity
