@@ -112,8 +112,16 @@ def test_inference_extension_config_loads_unchanged():
     assert loaded.notes == []
 
 
-def test_llmd_config_loads_with_named_plugins_and_ignored_indexer_settings():
+def test_llmd_config_loads_with_named_plugins_and_reports_its_indexer_settings():
     loaded = parse_config(LLMD_SAMPLE)
+    # The block size is honoured; the hash seed and the ZMQ endpoint are reported with
+    # the reason smart-epp needs neither.
+    assert loaded.plugin_params["precise-prefix-cache-scorer"].blockSize == 64
+    assert [n.split(":")[0] for n in loaded.notes] == [
+        "plugins[2] (precise-prefix-cache-scorer).indexerConfig.tokenProcessorConfig.blockSize",
+        "plugins[2] (precise-prefix-cache-scorer).indexerConfig.tokenProcessorConfig.hashSeed",
+        "plugins[2] (precise-prefix-cache-scorer).kvEventsConfig.zmqEndpoint",
+    ]
     profile = instantiate(loaded).profiles[0]
     assert profile.name == "decode"
     assert [f.type_name for f in profile.filters] == ["decode-filter"]
