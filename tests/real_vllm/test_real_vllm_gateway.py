@@ -272,6 +272,7 @@ def test_live_audit_agrees_with_vllm_and_counts_an_induced_miss(gateway: Gateway
                                                {"role": "user", "content": "one"}]}),
         # A tool-using chat: tokenized through a pod's /tokenize with its tools.
         ("/v1/chat/completions", {"model": SERVED_MODEL, "max_tokens": 4, "temperature": 0,
+                                  "tool_choice": "none",
                                   "tools": [{"type": "function", "function": {
                                       "name": "lookup",
                                       "description": unique_prompt("audit-tool", words=60)}}],

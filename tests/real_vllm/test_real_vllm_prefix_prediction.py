@@ -202,7 +202,10 @@ async def test_index_predicts_cached_tokens_for_a_tool_calling_chat(
     second = [*first, call, {"role": "tool", "tool_call_id": "1", "content": "x is 42"}]
 
     def body(messages: list[dict], **extra: object) -> dict:
-        fixed = {"temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        # tool_choice "none": the pods run no tool-call parser; the tools still reach the
+        # template.
+        fixed = {"temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                 "tool_choice": "none"}  # fmt: skip
         return {"model": SERVED_MODEL, "messages": messages, "tools": tools, "max_tokens": 8,
                 **fixed, **extra}  # fmt: skip
 
