@@ -433,6 +433,8 @@ def measure_mode(
         body_mode=body_mode,  # type: ignore[arg-type]
         listen_address="127.0.0.1",
         bypass_backend=backend,
+        # Plaintext to the picker, as the measurements before TLS became the default.
+        secure_serving=False,
     )
     config = workdir / f"envoy-{body_mode}.yaml"
     config.write_text(render_envoy_config(options))
@@ -597,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
             serve = [sys.executable, "-c", "from smart_epp.epp.cli import main; main()", "serve",
                      "--endpoint", backend, "--grpc-port", str(grpc_port),
                      "--health-port", str(health_port), "--metrics-port", str(metrics_port),
-                     "--log-level", "warning"]  # fmt: skip
+                     "--log-level", "warning", "--secure-serving=false"]  # fmt: skip
         else:
             serve = [sys.executable, str(Path(__file__).resolve()),
                      "--serve-data-path", str(grpc_port), backend]  # fmt: skip

@@ -14,6 +14,7 @@ SUBCOMMAND_MODULES = (
     "smart_epp.epp.audit_cmd",
     "smart_epp.benchmarks.sim.cli",
     "smart_epp.benchmarks.replay.cli",
+    "smart_epp.benchmarks.calibrate.cli",
     "smart_epp.epp.demo",
 )
 

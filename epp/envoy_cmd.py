@@ -16,6 +16,7 @@ from typing import Literal
 import jinja2
 
 from .discovery import parse_address
+from .flags import add_secure_serving
 from .server import DEFAULT_MAX_BODY_BYTES
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml.j2"
@@ -43,6 +44,12 @@ class EnvoyOptions:
     epp_health_interval_s: float = 1.0
     # Concurrent ext_proc streams to epp, i.e. requests in flight through the gateway.
     epp_max_streams: int = 100_000
+    # TLS to the picker (its default); without a CA the picker's certificate is not
+    # verified (the picker's self-signed default); with one, it must chain to it and name
+    # epp_server_name (default: epp_host).
+    secure_serving: bool = True
+    epp_ca_file: Path | None = None
+    epp_server_name: str | None = None
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -90,7 +97,22 @@ def render_envoy_config(options: EnvoyOptions) -> str:
         epp_max_streams=options.epp_max_streams,
         fallback_endpoints=fallback,
         bypass_backend=_split(options.bypass_backend) if options.bypass_backend else None,
+        epp_tls=_epp_tls(options),
     )
+
+
+def _epp_tls(options: EnvoyOptions) -> dict[str, str] | None:
+    """The template's view of the TLS to the picker: None for plaintext."""
+    if not options.secure_serving:
+        if options.epp_ca_file is not None:
+            raise ValueError("an epp CA file needs secure serving")
+        return None
+    server_name = options.epp_server_name or options.epp_host
+    return {
+        "server_name": server_name,
+        "ca_file": "" if options.epp_ca_file is None else str(Path(options.epp_ca_file).resolve()),
+        "san_type": "IP_ADDRESS" if _is_ip(server_name) else "DNS",
+    }
 
 
 def envoy_binary() -> Path:
@@ -147,6 +169,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="IP:PORT",
         help="where requests go when the picker is unreachable (failure mode open)",
     )
+    add_secure_serving(parser, "TLS to the picker, as `epp serve --secure-serving` (default true)")
+    parser.add_argument(
+        "--epp-ca-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="verify the picker's certificate against this CA bundle (default: encrypt "
+        "without verifying, which fits the picker's self-signed certificate)",
+    )
+    parser.add_argument(
+        "--epp-server-name",
+        default=None,
+        metavar="NAME",
+        help="SNI and the name the picker's certificate must carry (default: --epp-host)",
+    )
     parser.add_argument("--concurrency", type=int, default=None, help="Envoy worker threads")
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--print-config", action="store_true", help="print the config and exit")
@@ -163,6 +200,9 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
         max_body_bytes=args.max_body_bytes,
         admin_port=args.admin_port,
         fallback_endpoints=tuple(args.fallback_endpoint),
+        secure_serving=args.secure_serving,
+        epp_ca_file=args.epp_ca_file,
+        epp_server_name=args.epp_server_name,
     )
 
 

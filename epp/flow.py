@@ -148,7 +148,10 @@ class RequestFlow:
         if decision is None or flow.finished:
             return
         for observer in self._routed:
-            self._safely(observer.on_routed, flow)
+            try:
+                observer.on_routed(flow)
+            except Exception:  # bookkeeping must never fail a request
+                log.exception("routed hook %r failed", observer)
         try:
             self.scheduler.on_routed(flow.request, decision)
         except Exception:
@@ -194,15 +197,11 @@ class RequestFlow:
         except Exception:
             log.exception("scheduler.on_outcome failed for request %s", flow.request.request_id)
         for observer in self._outcomes:
-            self._safely(observer.on_outcome, flow, outcome)
+            try:
+                observer.on_outcome(flow, outcome)
+            except Exception:  # bookkeeping must never fail a request
+                log.exception("outcome hook %r failed", observer)
         return outcome
-
-    @staticmethod
-    def _safely(call: Callable[..., None], *args: object) -> None:
-        try:
-            call(*args)
-        except Exception:  # bookkeeping must never fail a request
-            log.exception("request-lifecycle hook %r failed", call)
 
 
 __all__ = ["MAX_OPEN_REQUESTS", "RequestFlow"]

@@ -346,6 +346,8 @@ def _reason(exc: Exception) -> str:
         return "api_status"
     if isinstance(exc, DiscoveryError):
         return "malformed"
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return "tls"  # e.g. the API server's certificate does not chain to --k8s-ca-file
     return "connection"
 
 

@@ -31,6 +31,8 @@ from ..kv_index.redis_backend import RedisBlockIndex
 from .config import BUILTIN_CONFIGS, ConfigError, load_config
 from .datastore import Datastore
 from .discovery import EndpointsFileWatcher, endpoints_from_addresses, parse_address
+from .drain import DEFAULT_DRAIN_NOTICE_S, DEFAULT_DRAIN_TIMEOUT_S, drain
+from .flags import add_secure_serving
 from .flow import RequestFlow
 from .gateway_metrics import GatewayMetrics
 from .k8s_discovery import (
@@ -44,6 +46,7 @@ from .prefix_audit import PrefixAudit
 from .scheduler import build_scheduler
 from .scrape import MetricsScraper
 from .server import DEFAULT_MAX_BODY_BYTES, EppServer, ServerOptions
+from .tls import TlsOptions, server_credentials
 from .tokenization import TokenizerRouter
 from .traffic_recorder import TrafficRecorder
 
@@ -60,6 +63,11 @@ class ServeOptions:
     health_port: int = 9003
     metrics_port: int = 9090
     host: str = "0.0.0.0"
+    # ext_proc over TLS (None: plaintext); the health and metrics ports stay plaintext.
+    tls: TlsOptions | None = field(default_factory=TlsOptions)
+    # SIGTERM: open streams get this long to finish; new ones are decided meanwhile.
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    drain_notice_s: float = DEFAULT_DRAIN_NOTICE_S
     # EndpointPickerConfig: a YAML path or a built-in name; None means the built-in default.
     config: Path | str | None = None
     endpoints: list[str] = field(default_factory=list)
@@ -179,6 +187,8 @@ async def serve(
     loaded = load_config(options.config)  # a bad config fails before anything starts
     for note in loaded.notes:
         log.info("config %s: %s", loaded.source, note)
+    # So do bad certificate files.
+    credentials = None if options.tls is None else server_credentials(options.tls)
     datastore = Datastore()
     background = _Background()
     metrics = GatewayMetrics(
@@ -285,6 +295,7 @@ async def serve(
         _warn_on_shared_default_sockets(datastore.pods(), options.kv_events_port)
 
     started: list[Callable[[], Coroutine[Any, Any, None]]] = []
+    serving = False
     try:
         if pool_watcher is not None and not await pool_watcher.wait_synced(10.0):
             log.warning("no pool from the Kubernetes API yet; serving, and still watching")
@@ -300,12 +311,18 @@ async def serve(
         await scraper.start()
         started.append(scraper.stop)
         await server.start(
-            options.grpc_port, options.health_port, options.metrics_port, host=options.host
+            options.grpc_port,
+            options.health_port,
+            options.metrics_port,
+            host=options.host,
+            tls=credentials,
         )
-        started.append(lambda: server.stop(grace=2.0))
+        serving = True
         log.info(
-            "epp serving ext_proc on :%d (health :%d, metrics :%d) with %d endpoints; "
+            "epp serving ext_proc (%s) on %s:%d (health :%d, metrics :%d) with %d endpoints; "
             "KV events %s, %s index",
+            "plaintext" if credentials is None else "TLS",
+            options.host,
             server.grpc_port,
             server.health_port,
             server.metrics_port,
@@ -317,7 +334,10 @@ async def serve(
             on_started(server)
         await stop.wait()
     finally:
-        if tracing is not None:
+        # The pool, its signals and the index stay live while the drain still decides.
+        if serving:
+            await drain(server, options.drain_timeout_s, options.drain_notice_s)
+        if tracing is not None:  # after the drain, so the drained requests' spans go too
             await asyncio.to_thread(tracing.close)
         await background.close()
         for stop_part in reversed(started):
@@ -366,6 +386,51 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
+def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    serving = parser.add_argument_group("serving")
+    serving.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="bind address of the ext_proc, health and metrics ports (default %(default)s)",
+    )
+    add_secure_serving(
+        serving,
+        "serve ext_proc over TLS (default true): with --tls-cert/--tls-key, or a "
+        "self-signed certificate generated at start. The health port stays plaintext "
+        "for kubelet's gRPC probe.",
+    )
+    serving.add_argument(
+        "--tls-cert",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="PEM certificate (chain) of the ext_proc port, re-read when it changes",
+    )
+    serving.add_argument(
+        "--tls-key", type=Path, default=None, metavar="FILE", help="PEM key of --tls-cert"
+    )
+    serving.add_argument(
+        "--drain-timeout",
+        type=_positive(float),
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        metavar="SECONDS",
+        help="on SIGTERM, health turns NOT_SERVING and open streams get this long to finish "
+        "(default %(default)s; keep terminationGracePeriodSeconds above it)",
+    )
+
+
+def _tls_from_args(args: argparse.Namespace) -> TlsOptions | None:
+    if not args.secure_serving:
+        if args.tls_cert is not None or args.tls_key is not None:
+            raise ValueError("--tls-cert/--tls-key need --secure-serving=true")
+        return None
+    tls = TlsOptions(args.tls_cert, args.tls_key)
+    for path in (tls.cert_file, tls.key_file):
+        if path is not None and not path.is_file():
+            raise ValueError(f"TLS file {path} does not exist")
+    return tls
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
@@ -381,6 +446,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "events replayed from 0.",
     )
     parser.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port")
+    _add_serving_arguments(parser)
     parser.add_argument("--health-port", type=int, default=9003, help="gRPC health port")
     parser.add_argument(
         "--metrics-port",
@@ -564,6 +630,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         load_config(args.config)
+        tls = _tls_from_args(args)
         k8s = kubernetes_discovery_options(
             pool_name=args.pool_name,
             namespace=args.pool_namespace,
@@ -581,6 +648,9 @@ def run(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         health_port=args.health_port,
         metrics_port=args.metrics_port,
+        host=args.host,
+        tls=tls,
+        drain_timeout_s=args.drain_timeout,
         config=args.config,
         endpoints=args.endpoint,
         endpoints_file=args.endpoints_file,

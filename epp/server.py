@@ -126,19 +126,20 @@ class Exchange:
     async def handle(self, event: px.Event | None) -> list[px.Reply]:
         if self.request_mode is None:
             self.set_modes(None)
-        if isinstance(event, (px.ResponseBody, px.ResponseHeaders, px.ResponseTrailers)):
+        kind = type(event)
+        if kind is px.ResponseBody or kind is px.ResponseHeaders or kind is px.ResponseTrailers:
             try:
-                return self._on_response(event)
+                return self._on_response(event)  # type: ignore[arg-type]
             except Exception:
                 # The response already flows; never break it over bookkeeping.
                 log.exception("request %s: response bookkeeping failed", self.request_id or "?")
-                return [self._continue_response(event)]
+                return [self._continue_response(event)]  # type: ignore[arg-type]
         try:
-            if isinstance(event, px.RequestBody):
-                return await self._on_request_body(event)
-            if isinstance(event, px.RequestHeaders):
-                return await self._on_request_headers(event)
-            if isinstance(event, px.RequestTrailers):
+            if kind is px.RequestBody:
+                return await self._on_request_body(event)  # type: ignore[arg-type]
+            if kind is px.RequestHeaders:
+                return await self._on_request_headers(event)  # type: ignore[arg-type]
+            if kind is px.RequestTrailers:
                 return await self._on_request_trailers()
         except RequestError as error:
             return [self._refuse(error)]
@@ -277,10 +278,11 @@ class Exchange:
         return px.CONTINUE_RESPONSE_TRAILERS
 
     def _on_response(self, event: px.Event) -> list[px.Reply]:
-        if isinstance(event, px.ResponseBody):
-            return self._on_response_body(event)
-        if isinstance(event, px.ResponseHeaders):
-            return self._on_response_headers(event)
+        kind = type(event)
+        if kind is px.ResponseBody:
+            return self._on_response_body(event)  # type: ignore[arg-type]
+        if kind is px.ResponseHeaders:
+            return self._on_response_headers(event)  # type: ignore[arg-type]
         self._after = self._finish_ok
         return [px.CONTINUE_RESPONSE_TRAILERS]
 
@@ -419,8 +421,12 @@ class EppServer:
         health_port: int | None = 9003,
         metrics_port: int | None = 9090,
         host: str = "0.0.0.0",
+        tls: grpc.ServerCredentials | None = None,
     ) -> None:
-        """Starts serving; a port of 0 picks a free one (see the *_port attributes)."""
+        """Starts serving; a port of 0 picks a free one (see the *_port attributes).
+
+        With `tls`, the ext_proc port serves TLS; the health port stays plaintext, as
+        kubelet's gRPC probe speaks it."""
         options = [
             ("grpc.so_reuseport", 0),
             # Envoy keeps one HTTP/2 connection with many streams; allow plenty of them.
@@ -430,21 +436,33 @@ class EppServer:
         self._grpc = grpc.aio.server(options=options)
         px.add_ext_proc_service(self._grpc, self.process)
         health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{host}:{grpc_port}")
+        bind = f"[{host}]" if ":" in host else host  # an IPv6 address such as ::
+        address = f"{bind}:{grpc_port}"
+        self.grpc_port = (
+            self._grpc.add_insecure_port(address)
+            if tls is None
+            else self._grpc.add_secure_port(address, tls)
+        )
         await self._grpc.start()
         if health_port is not None:
             self._health = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._health)
-            self.health_port = self._health.add_insecure_port(f"{host}:{health_port}")
+            self.health_port = self._health.add_insecure_port(f"{bind}:{health_port}")
             await self._health.start()
-        for service in HEALTH_SERVICES:
-            await self._health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self.set_serving(True)
         if metrics_port is not None:
             self.metrics_port = self.metrics.serve(metrics_port, host)
 
-    async def stop(self, grace: float | None = 1.0) -> None:
+    async def set_serving(self, serving: bool) -> None:
+        """What every health service answers (NOT_SERVING: Envoy and kubelet stop sending)."""
+        status = health_pb2.HealthCheckResponse.SERVING
+        if not serving:
+            status = health_pb2.HealthCheckResponse.NOT_SERVING
         for service in HEALTH_SERVICES:
-            await self._health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self._health_servicer.set(service, status)
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        await self.set_serving(False)
         servers = [s for s in (self._grpc, self._health) if s is not None]
         await asyncio.gather(*(s.stop(grace) for s in servers))
         self._grpc = self._health = None

@@ -179,9 +179,12 @@ class Decision:
         return self.forward.get(address, address)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Outcome:
-    """What happened to one routed request, as the response path observed it."""
+    """What happened to one routed request, as the response path observed it.
+
+    (Not frozen: one is built per request, and a frozen dataclass pays a setattr call per
+    field to build.)"""
 
     address: str  # the endpoint that served it (a fallback's when one answered)
     ok: bool

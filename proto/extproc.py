@@ -364,34 +364,36 @@ def served_endpoint(message: ProcessingRequest) -> str | None:
 
 
 # ---------------------------------------------------------------- plain events
+# Plain (not frozen) slotted records: one is built per message on the hot path, and a
+# frozen dataclass pays a setattr call per field to build.
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestHeaders:
     headers: dict[str, str]
     end_of_stream: bool
     subset: list[str] | None  # the subset hint, when the gateway sent one
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestBody:
     chunk: bytes
     end_of_stream: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestTrailers:
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ResponseHeaders:
     headers: dict[str, str]
     end_of_stream: bool
     served: str | None  # the endpoint that answered, when Envoy reports it
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ResponseBody:
     chunk: bytes
     end_of_stream: bool
@@ -400,7 +402,7 @@ class ResponseBody:
     served: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ResponseTrailers:
     pass
 

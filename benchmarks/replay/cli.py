@@ -14,7 +14,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..sim.profiles import DEFAULT_PROFILE, PROFILES
+from ..sim.profiles import DEFAULT_PROFILE, PROFILES, ProfileError, get_profile
+from ..sim.routing_latency import DEFAULT_ROUTING_LATENCY_S
 from .arrivals import (
     Stage,
     ladder_arrivals,
@@ -66,8 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--profile",
         default=DEFAULT_PROFILE,
-        choices=sorted(PROFILES),
-        help="latency profile of the simulated pods",
+        metavar="NAME|FILE",
+        help=f"latency profile of the simulated pods: {', '.join(PROFILES)}, or a profile "
+        "YAML file (default: %(default)s)",
     )
     p.add_argument(
         "--policy",
@@ -94,7 +96,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--scrape-interval", type=float, default=0.05, help="sim mode: metrics scrape period (s)"
     )
-    p.add_argument("--max-model-len", type=int, help="sim mode: context limit of the pods")
+    p.add_argument("--max-model-len", type=int, help="sim mode: lower the profile's context limit")
+    p.add_argument(
+        "--routing-latency",
+        type=float,
+        default=DEFAULT_ROUTING_LATENCY_S,
+        metavar="S",
+        help="sim mode: seconds from a request's arrival to the pod receiving it "
+        "(tokenization + decision; default %(default)s, measured by "
+        "benchmarks/decision_latency.py)",
+    )
     p.add_argument("--model", help="model name to send (default: the trace's, else 'model')")
     p.add_argument("--name", help="stem of the output files (default: replay_<trace name>)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -187,16 +198,28 @@ def run_sim(args: argparse.Namespace, workload: Workload, console: Console) -> i
             console.print(f"[red]error:[/red] unknown policy {name!r}")
             return 2
     model = workload.requests[0].model
-    # Long-context traces (Mooncake's go to ~190k tokens) need the pods to accept them.
-    longest = max(PROFILES[args.profile].max_model_len, max_request_len(workload.requests))
+    try:
+        profile = get_profile(args.profile)
+    except ProfileError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    # The pods keep their model's limit: longer requests are rejected, as vLLM rejects them.
+    if args.max_model_len and args.max_model_len > profile.max_model_len:
+        console.print(
+            f"[red]error:[/red] --max-model-len {args.max_model_len} is above the "
+            f"{profile.max_model_len} tokens of profile {profile.name}; pick a profile "
+            "whose model accepts longer requests"
+        )
+        return 2
     config = SimConfig(
         pods=args.pods,
         profile=args.profile,
         block_size=args.block_size,
         kv_event_delay_s=args.kv_event_delay,
         scrape_interval_s=args.scrape_interval,
-        max_model_len=args.max_model_len or longest,
+        max_model_len=args.max_model_len,
         model=model,
+        routing_latency_s=args.routing_latency,
     )
     per_policy: dict[str, list[RequestResult]] = {}
     wall_s: dict[str, float] = {}
@@ -280,6 +303,7 @@ def _report(
             "block_size": args.block_size,
             "kv_event_delay_s": args.kv_event_delay,
             "scrape_interval_s": args.scrape_interval,
+            "routing_latency_s": args.routing_latency,
             **(extra or {}),
         },
     )

@@ -7,7 +7,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ class RequestResult:
     cached_tokens: int = 0
     output_tokens: int = 0
     stage: int | None = None  # ladder stage, when there is one
+    error: str | None = None  # why the server refused it (a short label), when it did
 
     @property
     def tpot_s(self) -> float | None:
@@ -49,6 +50,8 @@ class PolicySummary:
     failed: int
     prefix_hit_rate: float
     load_imbalance: float
+    rejected: int = 0  # refused by the server as invalid (HTTP 400), counted in ``failed``
+    rejected_reasons: dict[str, int] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         return {k: _round(v) for k, v in asdict(self).items()}
@@ -85,6 +88,8 @@ def summarize(results: Sequence[RequestResult], pods: Sequence[str]) -> PolicySu
     per_pod = Counter(r.pod for r in results if r.pod is not None)
     counts = [per_pod.get(p, 0) for p in pods] if pods else list(per_pod.values())
     mean = sum(counts) / len(counts) if counts else 0.0
+    rejected = [r for r in results if r.status == 400]
+    reasons = Counter(r.error or "HTTP 400" for r in rejected)
     return PolicySummary(
         ttft_p50_s=percentile(ttfts, 50),
         ttft_p90_s=percentile(ttfts, 90),
@@ -96,6 +101,8 @@ def summarize(results: Sequence[RequestResult], pods: Sequence[str]) -> PolicySu
         failed=len(results) - len(done),
         prefix_hit_rate=sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
         load_imbalance=max(counts) / mean if mean else 0.0,
+        rejected=len(rejected),
+        rejected_reasons=dict(sorted(reasons.items())),
     )
 
 
@@ -131,6 +138,7 @@ def render_table(
         "out tok/s",
         "done",
         "failed",
+        "rejected",
         "prefix hit",
         "imbalance",
     ):
@@ -146,10 +154,17 @@ def render_table(
             f"{s.output_tok_per_s:.0f}",
             str(s.completed),
             str(s.failed),
+            str(s.rejected),
             f"{s.prefix_hit_rate:.1%}",
             f"{s.load_imbalance:.2f}",
         )
     caption = "latencies in ms; imbalance = max/mean requests per pod"
+    caption += "; rejected (HTTP 400, part of failed)"
+    reasons: Counter[str] = Counter()
+    for summary in summaries.values():
+        reasons.update(summary.rejected_reasons)
+    if reasons:
+        caption += ": " + ", ".join(sorted(reasons))
     if ceiling is not None:
         caption += f"; infinite-cache prefix hit rate (ceiling): {ceiling:.1%}"
     table.caption = caption

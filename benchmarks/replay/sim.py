@@ -38,6 +38,7 @@ from ..sim.engine import (
 )
 from ..sim.kv_events import encode_batch
 from ..sim.profiles import DEFAULT_PROFILE, get_profile
+from ..sim.routing_latency import DEFAULT_ROUTING_LATENCY_S
 from .report import RequestResult
 from .traces import DEFAULT_MODEL, TraceRequest
 
@@ -55,6 +56,7 @@ class SimConfig:
     max_model_len: int | None = None  # None: the profile's limit
     model: str = DEFAULT_MODEL
     num_blocks: int | None = None  # None: the profile's KV capacity
+    routing_latency_s: float = DEFAULT_ROUTING_LATENCY_S  # tokenization + decision
 
 
 @dataclass(slots=True)
@@ -114,7 +116,7 @@ class SimPool:
 
     def scrape(self, now: float) -> None:
         for address, engine in self.engines.items():
-            _copy_metrics(engine.snapshot_metrics(), engine, self.state(address).metrics, now)
+            _copy_metrics(engine.snapshot_metrics(now), engine, self.state(address).metrics, now)
 
 
 def _copy_metrics(m: EngineMetrics, engine: SimEngine, out: PodMetrics, now: float) -> None:
@@ -206,7 +208,9 @@ class Simulation:
                 stage=stages[i] if stages is not None else None,
             )
             results.append(result)
-            self._push(arrivals[i], _ARRIVAL, (req, result))
+            # The router decides, and the pod receives, once tokenization and the decision
+            # are done; TTFT still counts from the client's arrival.
+            self._push(arrivals[i] + self.config.routing_latency_s, _ARRIVAL, (req, result))
         self._pending = len(requests)
         self.pool.scrape(0.0)
         if requests:
@@ -268,11 +272,12 @@ class Simulation:
         )
         try:
             engine.add_request(sim_req, self.now)
-        except RequestRejected:
+        except RequestRejected as exc:
+            result.error = exc.reason
             flow.finish(tracked, ok=False, status=400)
             self._fail(result, 400)
             return
-        self._tracked[llm.request_id] = _Tracked(req, tracked, result, self.now)
+        self._tracked[llm.request_id] = _Tracked(req, tracked, result, result.arrival_s)
         if not self._busy[address]:
             self._busy[address] = True
             self._push(self.now, _STEP_START, address)

@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Any
 
-from .profiles import DEFAULT_PROFILE, PROFILES
+from .profiles import DEFAULT_PROFILE, PROFILES, get_profile
 from .vllm_hash import HASH_ALGOS
 
 
@@ -31,7 +31,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--topic", default=None, help="KV-event topic (default kv@<ip:port>@<model>)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="default: the profile's KV size")
-    p.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
+    p.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE",
+                   help=f"latency profile: {', '.join(PROFILES)}, or a profile YAML file "
+                   "(default: %(default)s)")  # fmt: skip
+    p.add_argument("--print-profile", metavar="NAME|FILE",
+                   help="print a profile in the YAML schema and exit")  # fmt: skip
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="wall seconds per simulated GPU second (0.01 = 100x faster)")  # fmt: skip
     p.add_argument("--lora", action="append", default=[], metavar="NAME[=PATH]",
@@ -74,7 +78,7 @@ def pool_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "block_size": args.block_size,
         "num_blocks": args.num_blocks,
-        "profile": args.profile,
+        "profile": get_profile(args.profile),
         "time_scale": args.time_scale,
         "loras": parse_loras(args.lora),
         "max_loras": args.max_loras,
@@ -115,6 +119,13 @@ async def serve(pods: int, kwargs: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.print_profile:
+        try:
+            print(get_profile(args.print_profile).to_yaml(), end="")
+        except ValueError as exc:
+            print(f"epp sim: {exc}", file=sys.stderr)
+            return 2
+        return 0
     try:
         kwargs = pool_kwargs(args)
         if args.time_scale <= 0:

@@ -45,7 +45,15 @@ FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 
 class RequestRejected(ValueError):
-    """The request can never run on this engine (too long, unknown adapter, ...)."""
+    """The request can never run on this engine (too long, unknown adapter, ...).
+
+    ``str(exc)`` is vLLM's message; ``reason`` a short label to count rejections by.
+    """
+
+    def __init__(self, message: str, reason: str = "invalid request", param: str | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.param = param  # the request field at fault, as vLLM's error names it
 
 
 @dataclass(slots=True)
@@ -217,29 +225,60 @@ class SimEngine:
         self._step_start = 0.0
         self._vocab_lo = min(cfg.first_output_token_id, cfg.vocab_size - 1)
         self._vocab_span = max(1, cfg.vocab_size - self._vocab_lo)
+        # Gauges as vLLM publishes them: computed when a step ends, so a reader mid-step
+        # sees the previous step's state. (time the gauges become visible, the gauges)
+        self._published = self._gauges()
+        self._next_gauges: tuple[float, EngineMetrics] | None = None
 
     # ---------------------------------------------------------------- requests
     def validate(self, req: SimRequest) -> None:
-        """Raises RequestRejected with vLLM's wording when ``req`` can never run."""
+        """Raises RequestRejected with vLLM 0.32's wording when ``req`` can never run.
+
+        Like vLLM, a prompt that fits leaves ``max_tokens`` to be clamped to the room left
+        (``add_request`` does it); only a prompt that leaves no room at all is refused.
+        """
         n = len(req.prompt_token_ids)
+        limit = self.max_model_len
         if n == 0:
             raise RequestRejected("The prompt cannot be empty.")
         if req.max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be at least 1, got {req.max_tokens}.")
-        if n + req.max_tokens > self.max_model_len:
             raise RequestRejected(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {n + req.max_tokens} tokens ({n} in the messages, "
-                f"{req.max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion."
+                f"max_tokens must be at least 1, got {req.max_tokens}.", param="max_tokens"
+            )
+        if req.max_tokens > limit:
+            raise RequestRejected(
+                f"max_tokens={req.max_tokens} cannot be greater than max_model_len={limit}. "
+                f"Please request fewer output tokens. (parameter=max_tokens, "
+                f"value={req.max_tokens})",
+                reason="max_tokens over max_model_len",
+                param="max_tokens",
+            )
+        if n > limit:
+            raise RequestRejected(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"prompt contains {n} input tokens, which exceeds this limit even without "
+                "any output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={n})",
+                reason=f"longer than max_model_len ({limit} tokens)",
+                param="input_tokens",
+            )
+        if n == limit:
+            raise RequestRejected(
+                "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+                reason=f"prompt fills max_model_len ({limit} tokens)",
+                param="max_tokens",
             )
         if req.lora_name is not None and req.lora_name not in self.lora_ids:
-            raise RequestRejected(f"The model `{req.lora_name}` does not exist.")
+            raise RequestRejected(
+                f"The model `{req.lora_name}` does not exist.", reason="unknown LoRA adapter"
+            )
         if req.request_id in self.requests:
             raise RequestRejected(f"Request id {req.request_id} already running.")
 
     def add_request(self, req: SimRequest, now: float) -> None:
+        """Queues ``req``; its ``max_tokens`` is clamped to the context left, as in vLLM."""
         self.validate(req)
+        req.max_tokens = min(req.max_tokens, self.max_model_len - len(req.prompt_token_ids))
         lora_path = self.config.loras.get(req.lora_name) if req.lora_name else None
         r = _Req(req, now, self.lora_ids.get(req.lora_name or ""), lora_path)
         self.requests[req.request_id] = r
@@ -277,16 +316,26 @@ class SimEngine:
         events = self._pending_events
         self._pending_events = []
         scheduled = self._schedule(events)
-        prefill_tokens = decode_seqs = context = 0
+        prefill_tokens = decode_seqs = decode_context = 0
+        prefill_pairs = 0.0
         for r, n in scheduled:
-            if n == 1 and r.num_computed >= r.num_prompt:
+            nc = r.num_computed
+            if n == 1 and nc >= r.num_prompt:
                 decode_seqs += 1
+                decode_context += nc + 1
             else:  # a prompt chunk, or recomputing a preempted request's tokens
                 prefill_tokens += n
-            context += r.num_computed + n
-        duration = self.profile.step_seconds(prefill_tokens, decode_seqs, context)
+                # Causal attention of this chunk over everything before it (cached prefix and
+                # earlier chunks) and over itself.
+                prefill_pairs += n * (nc + n / 2)
+        duration = self.profile.step_seconds(
+            prefill_tokens, prefill_pairs, decode_seqs, decode_context
+        )
         end = now + duration
         progress = [p for r, n in scheduled if (p := self._advance(r, n, end)) is not None]
+        if self._next_gauges is not None and self._next_gauges[0] <= now:
+            self._published = self._next_gauges[1]
+        self._next_gauges = (end, self._gauges())
         return StepOutcome(now, duration, progress, events, prefill_tokens, decode_seqs)
 
     def _schedule(self, events: list[KVEvent]) -> list[tuple[_Req, int]]:
@@ -480,19 +529,38 @@ class SimEngine:
         )
 
     # ---------------------------------------------------------------- metrics
-    def snapshot_metrics(self) -> EngineMetrics:
+    def snapshot_metrics(self, now: float | None = None) -> EngineMetrics:
+        """The gauges as published at the end of the last step that ended by ``now``.
+
+        vLLM computes its scheduler gauges (running, waiting, KV usage) when a step ends,
+        so a scrape during a step reads the previous step's state and a request that
+        arrived since is not yet counted. ``now=None`` reads the state after the last
+        step. Counters and histograms (``stats``) are live.
+        """
+        pending = self._next_gauges
+        if pending is not None and (now is None or pending[0] <= now):
+            self._published = pending[1]
+            self._next_gauges = None
+        return self._published
+
+    def _gauges(self) -> EngineMetrics:
+        running, waiting = self.running, self.waiting
         deferred = 0
-        if self.max_loras:
-            loras = {r.lora for r in self.running if r.lora}
-            full = len(loras) >= self.max_loras
-            deferred = sum(1 for r in self.waiting if r.lora and full and r.lora not in loras)
+        running_loras: list[str] = []
+        waiting_loras: list[str] = []
+        if self.lora_ids:
+            loaded = {r.lora for r in running if r.lora}
+            if len(loaded) >= self.max_loras:
+                deferred = sum(1 for r in waiting if r.lora and r.lora not in loaded)
+            running_loras = sorted(loaded)
+            waiting_loras = sorted({r.lora for r in waiting if r.lora})
         return EngineMetrics(
-            num_requests_running=len(self.running),
-            num_requests_waiting=len(self.waiting),
-            num_waiting_for_capacity=len(self.waiting) - deferred,
+            num_requests_running=len(running),
+            num_requests_waiting=len(waiting),
+            num_waiting_for_capacity=len(waiting) - deferred,
             num_waiting_deferred=deferred,
             kv_cache_usage_perc=self.pool.usage(),
-            running_lora_adapters=sorted({r.lora for r in self.running if r.lora}),
-            waiting_lora_adapters=sorted({r.lora for r in self.waiting if r.lora}),
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
             stats=self.stats,
         )

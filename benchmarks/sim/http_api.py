@@ -52,7 +52,7 @@ async def _errors(request: web.Request, handler: Callable) -> web.StreamResponse
     except ApiError as err:
         return error_response(err)
     except RequestRejected as err:
-        return error_response(ApiError(str(err)))
+        return error_response(ApiError(str(err), param=err.param))
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:

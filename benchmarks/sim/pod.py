@@ -75,6 +75,7 @@ class SimPod:
             config.model,
             lora_info_mode=config.lora_info_mode,
             with_lora=bool(config.engine.loras),
+            clock=self.model_now,
         )
         self.topic = config.topic or kv_topic(config.http_address, config.model)
         endpoint = config.kv_events_endpoint or _tcp(config.host, config.kv_events_port)

@@ -1,118 +1,153 @@
 """Step-latency profiles: how long one engine step takes on a given GPU and model.
 
-A step's duration is modelled as the roofline of a transformer forward pass over the batch:
+A profile is data: a YAML document with fixed field names (the built-ins ship as YAML files
+in ``builtin_profiles/``; ``epp sim --print-profile NAME`` prints one, ``epp calibrate``
+writes one measured on a live pod). A step's duration is
 
-    step_s = overhead_s
-           + prefill_tokens * prefill_s_per_token      (compute-bound prompt processing)
-           + decode_seqs    * decode_s_per_seq         (per-sequence sampling/launch cost)
-           + context_tokens * attention_s_per_token    (reading the batch's KV cache)
+    step_s = step_overhead_s
+           + prefill_tokens      * prefill_s_per_token                 (weights, per token)
+           + prefill_token_pairs * prefill_attention_s_per_token_pair  (causal attention)
+           + decode_seqs         * decode_s_per_seq                    (sampling, launches)
+           + decode_context      * decode_kv_read_s_per_token          (reading the KV cache)
 
-``overhead_s`` is the weight-read floor of a decode step at batch 1 (plus launch overhead):
-at small batches a decode step is memory-bound on reading the weights once.
-
-Calibration sources (public):
-- Model shapes from the Hugging Face model cards / config.json of meta-llama/Meta-Llama-3-8B
-  (32 layers, 8 KV heads, head_dim 128) and Meta-Llama-3-70B (80 layers, 8 KV heads, head_dim
-  128): KV bytes per token = 2 * layers * kv_heads * head_dim * 2 bytes (bf16) = 128 KiB (8B)
-  and 320 KiB (70B).
-- GPU memory and bandwidth from NVIDIA's datasheets: H100 SXM 80 GB HBM3 3.35 TB/s, 989 dense
-  BF16 TFLOPS; A100 SXM 80 GB HBM2e 2.04 TB/s, 312 dense BF16 TFLOPS.
-- KV capacity follows vLLM's default ``gpu_memory_utilization=0.9``: 0.9 * 80 GB minus bf16
-  weights (16 GB for 8B; 140 GB / TP for 70B) minus ~2-3 GB activations/CUDA graphs, divided
-  by the per-token KV size; vLLM logs this as "GPU KV cache size: N tokens" at start-up
-  (~467k tokens for Llama-3-8B on one H100 80 GB).
-- Prefill throughput ~= 2 * params FLOPs per token at the ~40-50 % model FLOPs utilisation
-  that vLLM reaches on long prompts (e.g. ~25k tokens/s for Llama-3-8B on an H100, ~10k on
-  an A100), in line with vLLM's published serving benchmarks (vLLM blog, "vLLM v0.6.0: 2.7x
-  Throughput Improvement and 5x Latency Reduction", Sept 2024, Llama-3-8B on H100).
-- Decode at batch 1 = weight bytes / HBM bandwidth + launch overhead (16 GB / 3.35 TB/s ~=
-  4.8 ms -> ~6.5 ms measured-style TPOT for Llama-3-8B on H100; ~9.5 ms on A100); every
-  context token in the batch adds one read of its KV bytes per step (KV bytes / bandwidth).
+where a prefill chunk of ``n`` new tokens after ``c`` already-computed ones (prefix-cache
+hits and earlier chunks of the same prompt) attends over ``n * (c + n / 2)`` (query, key)
+pairs, and ``decode_context`` is the number of context tokens the batch's decoding
+sequences read. The quadratic prefill term is what makes a 30k-token prompt cost more than
+four 7.5k-token ones; a linear-only model would favour exactly the routing that ignores it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-@dataclass(frozen=True, slots=True)
-class LatencyProfile:
-    name: str
-    kv_tokens: int  # KV-cache capacity of the pod, in tokens
-    overhead_s: float  # a decode step at batch 1 (weight-read floor + launch)
-    prefill_s_per_token: float
-    decode_s_per_seq: float
-    attention_s_per_token: float  # per context token attended in a step
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    max_model_len: int = 32768
-    source: str = ""
-
-    def step_seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
-        if prefill_tokens == 0 and decode_seqs == 0:
-            return 0.0
-        return (
-            self.overhead_s
-            + prefill_tokens * self.prefill_s_per_token
-            + decode_seqs * self.decode_s_per_seq
-            + context_tokens * self.attention_s_per_token
-        )
-
-
-_KV_8B = 2 * 32 * 8 * 128 * 2  # bytes per token, Llama-3-8B bf16
-_KV_70B = 2 * 80 * 8 * 128 * 2  # bytes per token, Llama-3-70B bf16
-
-PROFILES: dict[str, LatencyProfile] = {
-    p.name: p
-    for p in (
-        LatencyProfile(
-            name="h100-llama3-8b",
-            kv_tokens=467_000,
-            overhead_s=0.0065,
-            prefill_s_per_token=1 / 25_000,
-            decode_s_per_seq=0.000_05,
-            attention_s_per_token=_KV_8B / 3.35e12,
-            source="H100 SXM 80GB (3.35 TB/s, 989 TFLOPS bf16) + Llama-3-8B config; see module doc",
-        ),
-        LatencyProfile(
-            name="a100-llama3-8b",
-            kv_tokens=410_000,
-            overhead_s=0.0095,
-            prefill_s_per_token=1 / 10_000,
-            decode_s_per_seq=0.000_08,
-            attention_s_per_token=_KV_8B / 2.04e12,
-            source="A100 SXM 80GB (2.04 TB/s, 312 TFLOPS bf16) + Llama-3-8B config; see module doc",
-        ),
-        LatencyProfile(
-            name="h100x4-llama3-70b-tp4",
-            # (0.9 * 80 GB - 35 GB weights - 3 GB) per GPU / (320 KiB / 4 per GPU)
-            kv_tokens=415_000,
-            overhead_s=0.014,  # 35 GB per GPU / 3.35 TB/s + all-reduce per layer
-            prefill_s_per_token=1 / 11_000,  # 140 GFLOP/token on 4 x 989 TFLOPS at ~40 %
-            decode_s_per_seq=0.000_12,
-            attention_s_per_token=_KV_70B / (4 * 3.35e12),
-            max_num_batched_tokens=8192,
-            source="4x H100 SXM 80GB tensor-parallel + Llama-3-70B config; see module doc",
-        ),
-        LatencyProfile(
-            # The CPU build that recorded the test fixtures: a 2-layer toy model, 2 cores.
-            name="cpu-tiny",
-            kv_tokens=65_536 * 32,
-            overhead_s=0.004,
-            prefill_s_per_token=0.000_15,
-            decode_s_per_seq=0.000_3,
-            attention_s_per_token=1e-8,
-            max_num_batched_tokens=2048,
-            max_model_len=1024,
-            source="tests/fixtures/vllm basic/metrics: ~4.7 ms inter-token latency at batch 1",
-        ),
-    )
-}
+BUILTIN_DIR = Path(__file__).with_name("builtin_profiles")
 DEFAULT_PROFILE = "h100-llama3-8b"
 
 
-def get_profile(name: str) -> LatencyProfile:
+class ProfileError(ValueError):
+    """A profile name that is not known, or a profile file that does not fit the schema."""
+
+
+class LatencyProfile(BaseModel):
+    """One pod's capacity and step-cost coefficients (all times in seconds)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1)
+    kv_tokens: int = Field(gt=0, description="KV-cache capacity of one pod, tokens")
+    max_model_len: int = Field(gt=0, description="longest prompt + completion accepted")
+    max_num_batched_tokens: int = Field(gt=0, description="token budget of one step")
+    max_num_seqs: int = Field(gt=0, description="sequences in one batch")
+    step_overhead_s: float = Field(ge=0, description="fixed cost of one engine step")
+    prefill_s_per_token: float = Field(ge=0, description="linear cost per prompt token")
+    prefill_attention_s_per_token_pair: float = Field(
+        ge=0, description="per (new token x context token) pair in prefill"
+    )
+    decode_s_per_seq: float = Field(ge=0, description="per decoding sequence in a step")
+    decode_kv_read_s_per_token: float = Field(
+        ge=0, description="per context token read by a decoding sequence"
+    )
+    source: str = Field(min_length=1, description="how each number was obtained")
+
+    def step_seconds(
+        self,
+        prefill_tokens: int,
+        prefill_token_pairs: float,
+        decode_seqs: int,
+        decode_context_tokens: int,
+    ) -> float:
+        if prefill_tokens == 0 and decode_seqs == 0:
+            return 0.0
+        return (
+            self.step_overhead_s
+            + prefill_tokens * self.prefill_s_per_token
+            + prefill_token_pairs * self.prefill_attention_s_per_token_pair
+            + decode_seqs * self.decode_s_per_seq
+            + decode_context_tokens * self.decode_kv_read_s_per_token
+        )
+
+    def prefill_seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Compute time of ``new_tokens`` prompt tokens after ``cached_tokens`` (no overhead)."""
+        pairs = prefill_token_pairs(new_tokens, cached_tokens)
+        return (
+            new_tokens * self.prefill_s_per_token + pairs * self.prefill_attention_s_per_token_pair
+        )
+
+    def to_yaml(self) -> str:
+        return yaml.dump(self.model_dump(), Dumper=_Dumper, sort_keys=False, width=100)
+
+
+def prefill_token_pairs(new_tokens: int, context_before: int) -> float:
+    """(query, key) pairs of causal attention for ``new_tokens`` after ``context_before``."""
+    return new_tokens * (context_before + new_tokens / 2)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Writes multi-line strings (a profile's source) as readable ``|`` blocks."""
+
+
+def _str_presenter(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str_presenter)
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(document)"
+        parts.append(f"field {field!r}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def profile_from_mapping(data: Any, origin: str) -> LatencyProfile:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{origin}: a profile is a YAML mapping of field: value")
     try:
-        return PROFILES[name]
-    except KeyError:
-        raise ValueError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}") from None
+        return LatencyProfile.model_validate(data)
+    except ValidationError as exc:
+        raise ProfileError(f"{origin}: {_describe(exc)}") from None
+
+
+def load_profile_file(path: Path) -> LatencyProfile:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: not valid YAML: {exc}") from None
+    return profile_from_mapping(data, str(path))
+
+
+def _load_builtins() -> dict[str, LatencyProfile]:
+    profiles = {}
+    for path in sorted(BUILTIN_DIR.glob("*.yaml")):
+        profile = load_profile_file(path)
+        if profile.name != path.stem:
+            raise ProfileError(f"{path}: name {profile.name!r} differs from the file name")
+        profiles[profile.name] = profile
+    return profiles
+
+
+PROFILES: dict[str, LatencyProfile] = _load_builtins()
+
+
+def get_profile(spec: str) -> LatencyProfile:
+    """A built-in profile by name, or a profile YAML file by path."""
+    if spec in PROFILES:
+        return PROFILES[spec]
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return load_profile_file(path)
+    raise ProfileError(
+        f"unknown profile {spec!r}; known: {', '.join(PROFILES)} (or a profile YAML file)"
+    )

@@ -10,7 +10,7 @@ seconds.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -57,8 +57,10 @@ class SimMetricsCollector:
         lora_info: LoraInfoSeries | None,
         cache_labels: dict[str, str],
         start_time: float | None = None,
+        clock: Callable[[], float] | None = None,
     ):
         self.engine = engine
+        self.clock = clock  # the engine's clock: gauges show the last step that ended by then
         self.model_name = model_name
         self.lora_info = lora_info
         self.cache_labels = cache_labels
@@ -66,7 +68,7 @@ class SimMetricsCollector:
         self.start_time = time.time() if start_time is None else start_time
 
     def collect(self) -> Iterator[Metric]:
-        m = self.engine.snapshot_metrics()
+        m = self.engine.snapshot_metrics(self.clock() if self.clock is not None else None)
         s = m.stats
         names, values = ["engine", "model_name"], ["0", self.model_name]
 
@@ -206,11 +208,13 @@ class PodMetrics:
         *,
         lora_info_mode: LoraInfoMode = "vllm",
         with_lora: bool = False,
+        clock: Callable[[], float] | None = None,
     ):
         self.lora_info = LoraInfoSeries(engine.max_loras, lora_info_mode) if with_lora else None
         self.registry = CollectorRegistry(auto_describe=False)
+        labels = cache_config_labels(engine)
         self.registry.register(
-            SimMetricsCollector(engine, model_name, self.lora_info, cache_config_labels(engine))
+            SimMetricsCollector(engine, model_name, self.lora_info, labels, clock=clock)
         )
 
     def record_step(self, engine: SimEngine, wall_ts: float) -> None:

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
+import grpc
 import pytest
 from support.backends import EchoBackend, echo_backends
 from support.envoy import EnvoyProcess, async_running_envoy
@@ -73,8 +74,10 @@ async def gateway(
     destination_count: int = 1,
     register_backends: bool = True,
     fallback_backend: int | None = None,
+    tls: grpc.ServerCredentials | None = None,
     **envoy_overrides: object,
 ) -> AsyncIterator[Gateway]:
+    """With `tls`, the picker serves ext_proc over TLS and Envoy speaks TLS to it."""
     async with echo_backends(backends) as pods:
         datastore = Datastore()
         if register_backends:
@@ -82,7 +85,8 @@ async def gateway(
         scheduler = PickByHeader()
         flow = RequestFlow(scheduler, datastore, destination_count=destination_count)
         server = EppServer(flow, options=options)
-        await server.start(grpc_port=0, health_port=0, metrics_port=0, host="127.0.0.1")
+        await server.start(grpc_port=0, health_port=0, metrics_port=0, host="127.0.0.1", tls=tls)
+        envoy_overrides.setdefault("secure_serving", tls is not None)
         if fallback_backend is not None:
             envoy_overrides["fallback_endpoints"] = (pods[fallback_backend].address,)
         try:

@@ -97,7 +97,8 @@ async def test_serve_and_envoy_processes_route_and_follow_the_endpoints_file(
         envoy = [*EPP, "envoy", "--listen-port", str(listen_port), "--epp-port", str(grpc_port),
                  "--admin-port", str(admin_port), "--concurrency", "1"]  # fmt: skip
         with process(serve, tmp_path / "epp.log"), process(envoy, tmp_path / "envoy.log"):
-            await async_wait_until(lambda: port_open(health_port), what="epp health port")
+            # Imports alone take seconds on a loaded machine.
+            await async_wait_until(lambda: port_open(health_port), 30, "epp health port")
             async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
                 for service in (

@@ -14,6 +14,8 @@ is told are installed; others answer 404 like an uninstalled CRD):
   ends, exactly as the apiserver answers "too old resource version".
 - `labelSelector` (`k=v`, `k==v`, `k!=v`, `k`, `!k`, comma-joined) and
   `fieldSelector=metadata.name=...` are honoured; every request needs the bearer token.
+- It serves HTTPS, as every real API server does, with a certificate for 127.0.0.1 from
+  its own test CA (`ca_pem`, `write_ca`); `tls=False` serves plain HTTP.
 
 Test controls: put/delete objects, send bookmarks, drop open watches, compact history.
 """
@@ -23,11 +25,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import ssl
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from support.certificates import CertificateAuthority
 
 Obj = dict[str, Any]
 Matcher = Callable[[Obj], bool]
@@ -105,8 +111,13 @@ class FakeKubeApi:
         self,
         token: str = "test-token",
         pool_versions: tuple[str, ...] = ("inference.networking.k8s.io/v1",),
+        *,
+        tls: bool = True,
+        ca: CertificateAuthority | None = None,
     ) -> None:
         self.token = token
+        # A restarted API server keeps its CA: pass the previous one's.
+        self.ca = (ca or CertificateAuthority("fake Kubernetes API CA")) if tls else None
         self.pool_versions = pool_versions
         self.version = 100
         self.compacted = 0  # watches from a resourceVersion below this get 410
@@ -122,7 +133,26 @@ class FakeKubeApi:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.ca else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def ca_pem(self) -> bytes:
+        assert self.ca is not None, "a plain-HTTP fake API has no CA"
+        return self.ca.pem
+
+    def write_ca(self, directory: Path) -> Path:
+        """The CA bundle a client needs to trust this server (as a pod's ca.crt)."""
+        path = directory / "ca.crt"
+        path.write_bytes(self.ca_pem)
+        return path
+
+    def _ssl_context(self) -> ssl.SSLContext | None:
+        if self.ca is None:
+            return None
+        files = self.ca.issue(Path(tempfile.mkdtemp(prefix="fake-kube-api-")), ["127.0.0.1"])
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(files.cert, files.key)
+        return context
 
     async def start(self, port: int = 0) -> FakeKubeApi:
         app = web.Application()
@@ -134,7 +164,7 @@ class FakeKubeApi:
             app, access_log=None, shutdown_timeout=0.1, handler_cancellation=True
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        site = web.TCPSite(self._runner, "127.0.0.1", port, ssl_context=self._ssl_context())
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         return self

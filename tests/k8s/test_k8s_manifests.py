@@ -1,4 +1,4 @@
-"""The Kubernetes manifests agree with the code: RBAC grants what the watcher asks for,
+"""The Kubernetes packages agree with the code: RBAC grants what the watcher asks for,
 and the Deployment's arguments, parsed by the real CLI, follow the shipped InferencePool."""
 
 from __future__ import annotations
@@ -6,17 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
-from support.paths import REPO
+from kustomize import render
 
 from smart_epp.epp import k8s_discovery as kd
 from smart_epp.epp.cli import build_parser
 
-K8S = REPO / "deploy" / "k8s"
 
-
-def documents(name: str) -> dict[str, dict]:
-    return {d["kind"]: d for d in yaml.safe_load_all((K8S / name).read_text()) if d}
+def documents(overlay: str) -> dict[str, dict]:
+    """The overlay's objects by kind (the smart-epp ones where a kind repeats)."""
+    found: dict[str, dict] = {}
+    for obj in render(overlay):
+        if obj["kind"] not in found or obj["metadata"]["name"] == "smart-epp":
+            found[obj["kind"]] = obj
+    return found
 
 
 def discovery_for(deployment: dict) -> kd.KubernetesDiscoveryOptions | None:
@@ -42,7 +44,7 @@ def in_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 
 def test_role_grants_get_list_watch_on_pods_and_every_pool_api_group() -> None:
-    role = documents("smart-epp.yaml")["Role"]
+    role = documents("inferencepool")["Role"]
     granted = {
         (group, resource, verb)
         for rule in role["rules"]
@@ -57,7 +59,7 @@ def test_role_grants_get_list_watch_on_pods_and_every_pool_api_group() -> None:
 
 
 def test_deployment_runs_as_the_bound_service_account() -> None:
-    docs = documents("smart-epp.yaml")
+    docs = documents("inferencepool")
     account = docs["ServiceAccount"]["metadata"]["name"]
     binding = docs["RoleBinding"]
     assert binding["roleRef"]["name"] == docs["Role"]["metadata"]["name"]
@@ -67,14 +69,14 @@ def test_deployment_runs_as_the_bound_service_account() -> None:
 
 @pytest.mark.usefixtures("in_cluster")
 def test_deployment_discovers_the_shipped_inference_pool() -> None:
-    pool = documents("inferencepool.yaml")["InferencePool"]
+    pool = documents("inferencepool")["InferencePool"]
     spec = kd.pool_spec_from_object(pool)
     assert spec.target_ports and spec.selector
-    chosen = discovery_for(documents("smart-epp.yaml")["Deployment"])
+    chosen = discovery_for(documents("inferencepool")["Deployment"])
     assert chosen is not None
     assert chosen.pool_name == pool["metadata"]["name"]
     assert chosen.api_url == "https://10.96.0.1:443"
-    service = documents("smart-epp.yaml")["Service"]
+    service = documents("inferencepool")["Service"]
     picker = pool["spec"]["endpointPickerRef"]
     assert service["metadata"]["name"] == picker["name"]
     assert picker["port"]["number"] in {p["port"] for p in service["spec"]["ports"]}
@@ -82,4 +84,4 @@ def test_deployment_discovers_the_shipped_inference_pool() -> None:
 
 @pytest.mark.usefixtures("in_cluster")
 def test_endpoints_file_variant_keeps_discovery_off() -> None:
-    assert discovery_for(documents("smart-epp-endpoints-file.yaml")["Deployment"]) is None
+    assert discovery_for(documents("endpoints-file")["Deployment"]) is None

@@ -91,6 +91,7 @@ async def test_epp_serve_follows_the_inference_pool(tmp_path: Path) -> None:
             api.put_pod(pod_object("vllm-0", pool.pods[0]))
             api.put_pod(pod_object("vllm-1", pool.pods[1], ready=False))
             args = ("--k8s-api", api.url, "--k8s-token-file", str(token_file),
+                    "--k8s-ca-file", str(api.write_ca(tmp_path)),
                     "--pool-name", POOL, "--pool-namespace", "default")  # fmt: skip
             with epp_serve(log_path, *args) as (process, metrics_port):
 

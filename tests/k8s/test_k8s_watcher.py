@@ -52,6 +52,7 @@ async def running(
         namespace="default",
         api_url=api.url,
         token_file=token_file,
+        ca_file=api.write_ca(tmp_path) if api.ca is not None else None,
         kv_events_port=5557,
         kv_replay_port=5558,
         backoff_min_s=0.02,
@@ -167,7 +168,8 @@ async def test_dropped_watch_reconnects_and_keeps_the_pool_meanwhile(
         fake_api.delete("pods", "a")
         fake_api.put_pod(make_pod("b", "10.0.0.2", APP))
         await d.wait_for({"10.0.0.2:8000"}, "changes after the reconnect applied")
-        assert fake_api.watch_requests(PODS) >= 2
+        # The re-list can bring the changes before the new watch is opened.
+        await async_wait_until(lambda: fake_api.watch_requests(PODS) >= 2, 5, "pods re-watched")
 
 
 async def test_api_server_down_then_up(tmp_path: Path) -> None:
@@ -182,7 +184,7 @@ async def test_api_server_down_then_up(tmp_path: Path) -> None:
             await api.stop()  # connections refused from here on
             await async_wait_until(lambda: d.watcher.errors >= 2, 5, "refusals counted")
             assert d.addresses() == {"10.0.0.1:8000"}
-            revived = FakeKubeApi()
+            revived = FakeKubeApi(ca=api.ca)
             revived.objects = api.objects
             revived.version = api.version
             api = await revived.start(port)

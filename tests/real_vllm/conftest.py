@@ -23,6 +23,7 @@ LORA_ADAPTERS = (("lora-a", MODEL_DIR / "tiny-lora-a"), ("lora-b", MODEL_DIR / "
 _timings: dict[str, float] = {}
 _tier_seconds: list[float] = []
 _prediction_rows: list[tuple[str, str, int, int]] = []
+_fidelity_rows: list[tuple[int, float, float]] = []
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,12 @@ def prediction_rows() -> list[tuple[str, str, int, int]]:
     return _prediction_rows
 
 
+@pytest.fixture(scope="session")
+def fidelity_rows() -> list[tuple[int, float, float]]:
+    """(prompt tokens, real pod TTFT s, calibrated sim pod TTFT s) for cold prompts."""
+    return _fidelity_rows
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not _tier_seconds:
         return
@@ -110,3 +117,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         for pod, name, predicted, reported in _prediction_rows:
             mark = "" if predicted == reported else "  <-- differs"
             write(f"  pod {pod:7} {name:28} {predicted:5d} {reported:5d}{mark}")
+    if _fidelity_rows:
+        write("cold-prompt TTFT, real vLLM pod vs epp sim with the calibrated profile (ms):")
+        for n, real, sim in _fidelity_rows:
+            write(
+                f"  {n:5d} tokens  real {real * 1000:7.1f}  sim {sim * 1000:7.1f}"
+                f"  error {abs(sim - real) / real:6.1%}"
+            )

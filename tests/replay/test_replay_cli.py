@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from support.paths import MOONCAKE_TRACE
 
 from smart_epp.benchmarks.replay.arrivals import (
@@ -16,6 +17,7 @@ from smart_epp.benchmarks.replay.arrivals import (
     stage_times,
 )
 from smart_epp.benchmarks.replay.traces import TraceRequest
+from smart_epp.benchmarks.sim.profiles import get_profile
 from smart_epp.epp.cli import build_parser
 
 SUMMARY_KEYS = {
@@ -29,6 +31,8 @@ SUMMARY_KEYS = {
     "failed",
     "prefix_hit_rate",
     "load_imbalance",
+    "rejected",
+    "rejected_reasons",
 }
 
 
@@ -60,14 +64,46 @@ def test_sim_mode_writes_schema_table_and_plots(tmp_path: Path, capsys) -> None:
     assert doc["trace"] == str(MOONCAKE_TRACE)
     assert doc["pods"] == 4 and doc["profile"] == "h100-llama3-8b"
     assert list(doc["policies"]) == ["default", "round-robin", "llmd-precise", "oracle"]
+    # 6 of the first 60 requests are longer than the profile's 32768 tokens: vLLM refuses them.
+    too_long = {"longer than max_model_len (32768 tokens)": 6}
     for summary in doc["policies"].values():
         assert set(summary) == SUMMARY_KEYS
-        assert summary["completed"] == 60 and summary["failed"] == 0
+        assert summary["completed"] == 54 and summary["failed"] == 6
+        assert summary["rejected"] == 6 and summary["rejected_reasons"] == too_long
         assert summary["ttft_p50_s"] <= summary["ttft_p90_s"] <= summary["ttft_p99_s"]
     assert 0 < doc["infinite_cache_prefix_hit_rate"] < 1
     assert (out / "replay_mooncake_synthetic_trace_ttft_cdf.png").stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "TTFT p90" in printed and "llmd-precise" in printed
+    assert "rejected" in printed and "longer than max_model_len (32768 tokens)" in printed
+
+
+def test_long_context_profile_serves_what_the_short_one_rejects(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    argv = ["--trace", str(MOONCAKE_TRACE), "--format", "mooncake", "--limit", "60",
+            "--pods", "2", "--speedup", "4", "--policy", "round-robin", "--no-plots",
+            "--out", str(out)]  # fmt: skip
+    assert _replay([*argv, "--profile", "h100-llama3.1-8b-128k"]) == 0
+    doc = json.loads((out / "replay_mooncake_synthetic_trace.json").read_text())
+    assert doc["policies"]["round-robin"]["rejected"] == 0
+    assert doc["policies"]["round-robin"]["completed"] == 60
+
+
+def test_profile_file_is_accepted_and_the_limit_is_never_lifted(tmp_path: Path, capsys) -> None:
+    trace = _workload_yaml(tmp_path)  # 520-token prompts + 6 output tokens
+    profile = tmp_path / "small.yaml"
+    data = get_profile("cpu-tiny").model_dump() | {"name": "small", "max_model_len": 512}
+    profile.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    argv = ["--trace", str(trace), "--qps", "20", "--pods", "2", "--policy", "round-robin",
+            "--no-plots", "--out", str(out), "--profile", str(profile)]  # fmt: skip
+    assert _replay(argv) == 0
+    summary = json.loads((out / "replay_sp.json").read_text())["policies"]["round-robin"]
+    assert summary["rejected"] == 30 and summary["completed"] == 0
+    assert summary["rejected_reasons"] == {"longer than max_model_len (512 tokens)": 30}
+    capsys.readouterr()
+    assert _replay([*argv, "--max-model-len", "1024"]) == 2
+    assert "above the 512 tokens of profile small" in capsys.readouterr().out
 
 
 def test_same_seed_same_json_for_the_real_scheduler(tmp_path: Path) -> None:
@@ -116,6 +152,8 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path, capsys) -> None:
     assert "unknown policy" in capsys.readouterr().out
     assert _replay(["--trace", str(trace), "--qps", "1", "--mode", "live"]) == 2
     assert "--target" in capsys.readouterr().out
+    assert _replay(["--trace", str(trace), "--qps", "1", "--profile", "h200"]) == 2
+    assert "unknown profile 'h200'" in capsys.readouterr().out
 
 
 def _req(i: int, ts: float) -> TraceRequest:

@@ -68,6 +68,9 @@ def test_too_long_prompt_fails_with_400_and_others_complete() -> None:
     config = SimConfig(pods=PODS, block_size=16, max_model_len=400)  # prompts are 576 tokens
     results = simulate_policy("round-robin", wl, config, seed=0)
     assert all(not r.ok and r.status == 400 for r in results)
+    summary = summarize(results, [])
+    assert summary.rejected == len(results) == summary.failed
+    assert summary.rejected_reasons == {"longer than max_model_len (400 tokens)": len(results)}
 
 
 def test_round_robin_hit_rate_matches_random_placement() -> None:
@@ -166,3 +169,43 @@ def test_the_replay_drives_the_gateways_request_flow() -> None:
         assert sorted(rid for rid, _, _ in seen.outcomes) == sorted(ids)
         by_id = {rid: (pod, ok) for rid, pod, ok in seen.outcomes}
         assert all(by_id[f"req-{r.index}"] == (r.pod, r.ok) for r in results)
+
+
+def test_routing_latency_is_charged_in_virtual_time() -> None:
+    wl = _workload(qps=0.5)  # requests far apart: no queueing, only the charge differs
+    free = simulate_policy("round-robin", wl, SimConfig(pods=PODS, routing_latency_s=0.0), 0)
+    slow = simulate_policy("round-robin", wl, SimConfig(pods=PODS, routing_latency_s=0.25), 0)
+    for a, b in zip(free, slow, strict=True):
+        assert a.pod == b.pod and a.arrival_s == b.arrival_s
+        assert b.ttft_s == pytest.approx(a.ttft_s + 0.25, abs=1e-9)
+        assert b.e2e_s == pytest.approx(a.e2e_s + 0.25, abs=1e-9)
+
+
+class _CheckedPool(SimPool):
+    """Records, at every scrape, what the router saw and what the engine held live."""
+
+    seen: list[tuple[int, int]]
+
+    def scrape(self, now: float) -> None:
+        super().scrape(now)
+        for address, engine in self.engines.items():
+            state = self.state(address).metrics
+            published = engine.snapshot_metrics(now)
+            assert (state.running, state.waiting) == (
+                published.num_requests_running,
+                published.num_requests_waiting,
+            )
+            live = len(engine.running) + len(engine.waiting)
+            self.seen.append((state.running + state.waiting, live))
+
+
+def test_scrapes_read_gauges_published_at_step_end() -> None:
+    wl = _workload(qps=200.0)  # a burst: the pod is mid-step at most scrapes
+    config = SimConfig(pods=1, scrape_interval_s=0.001, routing_latency_s=0.0)
+    pool = _CheckedPool.build(config)
+    pool.seen = []
+    policy = build_policy("round-robin", PolicyContext(pool, lambda: 0.0, 0, config.model))
+    asyncio.run(Simulation(config, policy, pool).run(wl.requests, wl.arrivals))
+    assert len(pool.seen) > 100
+    # Mid-step, the live engine already holds what the published gauges do not show yet.
+    assert any(shown != live for shown, live in pool.seen)

@@ -198,12 +198,39 @@ def test_invalid_requests_are_rejected():
     for req in (
         SimRequest("e", [], 4),
         SimRequest("z", [1], 0),
-        SimRequest("long", [1] * 60, 10),
+        SimRequest("long", [1] * 65, 1),
+        SimRequest("full", [1] * 64, 1),
+        SimRequest("huge", [1], 65),
         SimRequest("lora", [1], 1, lora_name="nope"),
     ):
         with pytest.raises(RequestRejected):
             engine.add_request(req, 0.0)
     assert not engine.has_unfinished()
+
+
+def test_context_limit_rejects_and_clamps_like_vllm_0_32():
+    engine = make_engine(max_model_len=64)
+    with pytest.raises(RequestRejected) as err:
+        engine.add_request(SimRequest("long", [1] * 70, 1), 0.0)
+    assert str(err.value).startswith(
+        "This model's maximum context length is 64 tokens. However, your prompt contains "
+        "70 input tokens, which exceeds this limit even without any output tokens."
+    )
+    assert (err.value.param, err.value.reason) == (
+        "input_tokens",
+        "longer than max_model_len (64 tokens)",
+    )
+    with pytest.raises(RequestRejected, match="max_tokens must be at least 1, got 0") as err:
+        engine.add_request(SimRequest("full", [1] * 64, 5), 0.0)
+    assert err.value.param == "max_tokens"
+    with pytest.raises(RequestRejected, match="cannot be greater than max_model_len=64"):
+        engine.add_request(SimRequest("huge", [1] * 4, 100), 0.0)
+    # A prompt that fits gets the room that is left: 60 + 10 asks for 70, generates 4.
+    req = SimRequest("fits", [1] * 60, 10)
+    engine.add_request(req, 0.0)
+    assert req.max_tokens == 4
+    _, outs = run_until_done(engine)
+    assert sum(len(p.new_token_ids) for o in outs for p in o.progress) == 4
 
 
 def test_abort_releases_blocks():
@@ -218,10 +245,9 @@ def test_abort_releases_blocks():
 
 def test_step_time_grows_with_batch_and_context():
     prof = get_profile("h100-llama3-8b")
-    assert prof.step_seconds(0, 1, 100) == pytest.approx(0.0065, rel=0.05)
-    assert prof.step_seconds(0, 64, 64 * 2000) > 2 * prof.step_seconds(0, 1, 2000)
-    assert prof.step_seconds(25_000, 0, 25_000) == pytest.approx(1.0, rel=0.1)
-    assert prof.kv_tokens == 467_000
+    assert prof.step_seconds(0, 0, 1, 100) == pytest.approx(0.0065, rel=0.05)
+    assert prof.step_seconds(0, 0, 64, 64 * 2000) > 2 * prof.step_seconds(0, 0, 1, 2000)
+    assert prof.step_seconds(25_000, 0, 0, 0) == pytest.approx(1.0, rel=0.1)
     assert {"h100-llama3-8b", "a100-llama3-8b", "h100x4-llama3-70b-tp4"} <= set(PROFILES)
     with pytest.raises(ValueError):
         get_profile("nope")

@@ -30,30 +30,41 @@ class Oracle(StatelessHooks):
         engine.hasher.extend(digests, token_ids, (len(token_ids) - 1) // engine.block_size)
         return digests
 
-    def _queued_prefill(self, engine: SimEngine) -> int:
+    def _queued_prefill(self, engine: SimEngine) -> tuple[int, float]:
+        """Prefill tokens and seconds of the work already on ``engine`` (running and queued)."""
+        prof = engine.profile
         bs = engine.block_size
-        work = 0
+        tokens, seconds = 0, 0.0
         for r in engine.running:
             if r.num_computed < r.num_prompt:
-                work += r.num_prompt - r.num_computed
+                n = r.num_prompt - r.num_computed
+                tokens += n
+                seconds += prof.prefill_seconds(n, r.num_computed)
         for r in engine.waiting:
             digests = r.digests or self._digests.get(r.req.request_id, [])
             cached = len(engine.pool.longest_cached_prefix(digests)) * bs if digests else 0
-            work += max(1, r.num_prompt - r.num_computed - cached)
-        return work
+            done = max(r.num_computed, cached)
+            n = max(1, r.num_prompt - done)
+            tokens += n
+            seconds += prof.prefill_seconds(n, done)
+        return tokens, seconds
 
-    def predict_ttft(self, engine: SimEngine, uncached_tokens: int) -> float:
+    def predict_ttft(
+        self, engine: SimEngine, uncached_tokens: int, cached_tokens: int = 0
+    ) -> float:
         prof = engine.profile
-        work = self._queued_prefill(engine) + uncached_tokens
-        steps = max(1, math.ceil(work / engine.max_num_batched_tokens))
+        queued_tokens, queued_s = self._queued_prefill(engine)
+        work_s = queued_s + prof.prefill_seconds(uncached_tokens, cached_tokens)
+        work_tokens = queued_tokens + uncached_tokens
+        steps = max(1, math.ceil(work_tokens / engine.max_num_batched_tokens))
         decoding = [r for r in engine.running if r.num_computed >= r.num_prompt]
         context = sum(len(r.tokens) for r in decoding)
         per_step = (
-            prof.overhead_s
+            prof.step_overhead_s
             + len(decoding) * prof.decode_s_per_seq
-            + context * prof.attention_s_per_token
+            + context * prof.decode_kv_read_s_per_token
         )
-        return work * prof.prefill_s_per_token + steps * per_step
+        return work_s + steps * per_step
 
     async def schedule(self, request: LLMRequest, candidates: Sequence[PodState]) -> Decision:
         if not candidates:
@@ -66,7 +77,7 @@ class Oracle(StatelessHooks):
         for i, pod in enumerate(candidates):
             engine = self._engines[pod.address]
             cached = len(engine.pool.longest_cached_prefix(digests)) * engine.block_size
-            ttft = self.predict_ttft(engine, max(1, len(tokens) - cached))
+            ttft = self.predict_ttft(engine, max(1, len(tokens) - cached), cached)
             scored.append((ttft, -cached, i, pod))
         scored.sort(key=lambda s: s[:3])
         explain = {s[3].address: {"predicted_ttft_s": s[0], "cached_tokens": -s[1]} for s in scored}

@@ -1,0 +1,1 @@
+"""Built-in latency profiles, one YAML file each (schema: ``benchmarks/sim/profiles.py``)."""
