@@ -12,6 +12,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/smart-epp
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
+COPY framework/ framework/
 COPY epp/ epp/
 COPY proto/ proto/
 COPY scorers/ scorers/

@@ -55,7 +55,7 @@ schedulingProfiles:
         await server.start(grpc_port=0, health_port=0, metrics_port=None, host="127.0.0.1")
         try:
             async with (
-                async_running_envoy(epp_port=server.grpc_port) as envoy,
+                async_running_envoy(epp_port=server.grpc_port, secure_serving=False) as envoy,
                 aiohttp.ClientSession() as http,
             ):
                 body = {"model": "tiny", "prompt": "hello"}

@@ -45,7 +45,9 @@ async def session_gateway(backends: int) -> AsyncIterator[tuple[str, list[EchoBa
         server = EppServer(RequestFlow(scheduler, datastore))
         await server.start(grpc_port=0, health_port=0, metrics_port=0, host="127.0.0.1")
         try:
-            async with async_running_envoy(epp_port=server.grpc_port) as envoy:
+            async with async_running_envoy(
+                epp_port=server.grpc_port, secure_serving=False
+            ) as envoy:
                 yield envoy.url, pods
         finally:
             await server.stop(0)
