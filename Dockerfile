@@ -11,7 +11,7 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/smart-epp
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py README.md __init__.py ./
 COPY framework/ framework/
 COPY epp/ epp/
 COPY proto/ proto/

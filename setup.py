@@ -9,6 +9,7 @@ see the same structure as the interpreter.
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
 FOLDERS = ("framework", "epp", "proto", "scorers", "kv_index", "benchmarks")
@@ -23,4 +24,18 @@ for folder in FOLDERS:
         packages.append(name)
         package_data[name] = ["*.yaml", "*.jinja", "*.json", "*.txt"]
 
-setup(packages=packages, package_dir=package_dir, package_data=package_data)
+
+class BuildPy(build_py):
+    """The root folder is the package, but this build script is not one of its modules."""
+
+    def find_package_modules(self, package, package_dir):  # type: ignore[no-untyped-def]
+        modules = super().find_package_modules(package, package_dir)
+        return [m for m in modules if not (package == "smart_epp" and m[1] == "setup")]
+
+
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    package_data=package_data,
+    cmdclass={"build_py": BuildPy},
+)

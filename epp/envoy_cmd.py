@@ -16,7 +16,9 @@ from typing import Literal
 import jinja2
 
 from .discovery import parse_address
+from .envoy_local_replies import LOCAL_REPLY_MAPPERS
 from .flags import add_secure_serving
+from .request_limits import DEFAULT_ALLOWED_PATHS, normalize_path
 from .server import DEFAULT_MAX_BODY_BYTES
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml.j2"
@@ -36,8 +38,13 @@ class EnvoyOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     admin_port: int = 19000
     listen_address: str = "0.0.0.0"
-    # Where requests go when the picker is unreachable and failure mode is open.
-    fallback_endpoints: tuple[str, ...] = ()
+    # The pool as a static list of IP:PORT; empty = the members the picker discovered,
+    # over EDS on its gRPC port (follows the pool as it changes).
+    pool_endpoints: tuple[str, ...] = ()
+    # Paths forwarded to the pool; any other is answered 404 by Envoy itself.
+    allowed_paths: tuple[str, ...] = DEFAULT_ALLOWED_PATHS
+    # Further attempts on the picker's fallbacks when a pod refuses the connection.
+    retries: int = 2
     # A route that skips ext_proc (header `x-epp-bypass`), for overhead benchmarks.
     bypass_backend: str | None = None
     message_timeout_s: float = 30.0
@@ -50,6 +57,11 @@ class EnvoyOptions:
     secure_serving: bool = True
     epp_ca_file: Path | None = None
     epp_server_name: str | None = None
+    # Several picker replicas (HOST:PORT each); empty: the one at epp_host:epp_port.
+    epp_replicas: tuple[str, ...] = ()
+    # The replicas' gRPC health port (`epp serve --health-port`); None: their ext_proc
+    # port, which serves the same health service.
+    epp_health_port: int | None = None
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -78,27 +90,47 @@ def render_envoy_config(options: EnvoyOptions) -> str:
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
-    fallback = [_split(a) for a in options.fallback_endpoints]
-    for host, _ in fallback:
+    pool = [_split(a) for a in options.pool_endpoints]
+    for host, _ in pool:
         if not _is_ip(host):
-            raise ValueError(f"fallback endpoints must be IP:PORT, got host {host!r}")
+            raise ValueError(f"pool endpoints must be IP:PORT, got host {host!r}")
+    paths = sorted({normalize_path(p) for p in options.allowed_paths})
+    for path in paths:
+        if not path.startswith("/") or any(c in path for c in '"\\\n'):
+            raise ValueError(f"allowed paths must be plain absolute paths, got {path!r}")
+    if options.retries < 0:
+        raise ValueError("retries must be 0 or more")
+    replicas = epp_replicas(options)
     return environment.get_template(TEMPLATE.name).render(
         listen_address=options.listen_address,
         listen_port=options.listen_port,
         admin_port=options.admin_port,
-        epp_host=options.epp_host,
-        epp_port=options.epp_port,
-        epp_cluster_type="STATIC" if _is_ip(options.epp_host) else "STRICT_DNS",
+        epp_replicas=replicas,
+        epp_health_port=options.epp_health_port,
+        epp_cluster_type="STATIC" if all(_is_ip(h) for h, _ in replicas) else "STRICT_DNS",
         body_mode=options.body_mode,
         failure_mode=options.failure_mode,
         max_body_bytes=options.max_body_bytes,
         message_timeout_s=options.message_timeout_s,
         epp_health_interval_s=options.epp_health_interval_s,
         epp_max_streams=options.epp_max_streams,
-        fallback_endpoints=fallback,
+        pool_endpoints=pool,
+        allowed_paths=paths,
+        retries=options.retries,
+        local_reply_mappers=LOCAL_REPLY_MAPPERS,
         bypass_backend=_split(options.bypass_backend) if options.bypass_backend else None,
         epp_tls=_epp_tls(options),
     )
+
+
+def epp_replicas(options: EnvoyOptions) -> list[tuple[str, int]]:
+    """(host, port) of every picker replica Envoy balances ext_proc streams over."""
+    if not options.epp_replicas:
+        return [(options.epp_host, options.epp_port)]
+    replicas = [_split(a) for a in options.epp_replicas]
+    if len(set(replicas)) != len(replicas):
+        raise ValueError("a picker replica is listed twice")
+    return replicas
 
 
 def _epp_tls(options: EnvoyOptions) -> dict[str, str] | None:
@@ -107,7 +139,7 @@ def _epp_tls(options: EnvoyOptions) -> dict[str, str] | None:
         if options.epp_ca_file is not None:
             raise ValueError("an epp CA file needs secure serving")
         return None
-    server_name = options.epp_server_name or options.epp_host
+    server_name = options.epp_server_name or epp_replicas(options)[0][0]
     return {
         "server_name": server_name,
         "ca_file": "" if options.epp_ca_file is None else str(Path(options.epp_ca_file).resolve()),
@@ -158,16 +190,48 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--listen-port", type=int, default=8081)
     parser.add_argument("--epp-port", type=int, default=9002)
     parser.add_argument("--epp-host", default="127.0.0.1")
+    parser.add_argument(
+        "--epp",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a picker replica (repeat for several; replaces --epp-host/--epp-port): "
+        "ext_proc streams are balanced over the healthy ones",
+    )
+    parser.add_argument(
+        "--epp-health-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="the replicas' gRPC health port, health-checked every second (default: "
+        "their ext_proc port, which serves the same health service)",
+    )
     parser.add_argument("--body-mode", choices=("buffered", "full-duplex"), default="full-duplex")
     parser.add_argument("--failure-mode", choices=("open", "close"), default="close")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument("--admin-port", type=int, default=19000)
     parser.add_argument(
-        "--fallback-endpoint",
+        "--endpoint",
         action="append",
         default=[],
         metavar="IP:PORT",
-        help="where requests go when the picker is unreachable (failure mode open)",
+        help="a pool member (repeat): a static pool. Without any, Envoy learns the pool the "
+        "picker discovered over EDS on --epp-port and follows its changes",
+    )
+    parser.add_argument(
+        "--allowed-path",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="a path forwarded to the pool (repeat; replaces the default list: "
+        + ", ".join(DEFAULT_ALLOWED_PATHS)
+        + "); any other is answered 404 JSON. Give epp serve the same list",
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        help="attempts on the picker's fallbacks after a refused connection (default 2)",
     )
     add_secure_serving(parser, "TLS to the picker, as `epp serve --secure-serving` (default true)")
     parser.add_argument(
@@ -199,10 +263,14 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
         failure_mode=args.failure_mode,
         max_body_bytes=args.max_body_bytes,
         admin_port=args.admin_port,
-        fallback_endpoints=tuple(args.fallback_endpoint),
+        pool_endpoints=tuple(args.endpoint),
+        allowed_paths=tuple(args.allowed_path or DEFAULT_ALLOWED_PATHS),
+        retries=args.retries,
         secure_serving=args.secure_serving,
         epp_ca_file=args.epp_ca_file,
         epp_server_name=args.epp_server_name,
+        epp_replicas=tuple(args.epp),
+        epp_health_port=args.epp_health_port,
     )
 
 

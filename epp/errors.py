@@ -8,7 +8,7 @@ import json
 class RequestError(Exception):
     """A request the gateway refuses; carries the HTTP status and the OpenAI error body.
 
-    Raised by request parsing (400/413) and, for shedding, by a scheduler (429); the
+    Raised by request parsing (400/404/413) and, for shedding, by a scheduler (429); the
     server turns it into an Envoy local reply.
     """
 
@@ -34,6 +34,10 @@ class RequestError(Exception):
     @classmethod
     def bad_request(cls, message: str, param: str | None = None) -> RequestError:
         return cls(400, message, "invalid_request_error", param)
+
+    @classmethod
+    def not_found(cls, message: str) -> RequestError:
+        return cls(404, message, "not_found_error")
 
     @classmethod
     def too_large(cls, limit: int) -> RequestError:

@@ -2,6 +2,8 @@
 
 Validates only what routing depends on (the `model`, the prompt fields and their types,
 `stream`); anything else is the model server's business and passes through untouched.
+What any request must satisfy first (an inference path, a bounded JSON shape, token ids in
+range) is in `request_limits`; every failure is a RequestError (4xx), never another error.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import msgspec
 from ..framework.types import Api, LLMRequest
 from .chat_render import TEMPLATE_FIELDS
 from .errors import RequestError
+from .request_limits import RequestLimits, check_token_ids, normalize_path
 
 # Maps a `model` value to the LoRA adapter it names, or None for a base model.
 AdapterResolver = Callable[[str], str | None]
@@ -31,10 +34,11 @@ _API_BY_PATH = {
 }
 
 _json_decoder = msgspec.json.Decoder()
+DEFAULT_LIMITS = RequestLimits()
 
 
 def api_of(path: str) -> Api:
-    return _API_BY_PATH.get(path.split("?", 1)[0].rstrip("/"), Api.OTHER)
+    return _API_BY_PATH.get(normalize_path(path), Api.OTHER)
 
 
 def parse_request(
@@ -43,8 +47,11 @@ def parse_request(
     body: bytes,
     request_id: str,
     adapter_resolver: AdapterResolver = no_adapters,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> LLMRequest:
-    """Parses one request; raises RequestError (400) for bodies an OpenAI server rejects."""
+    """Parses one request; raises RequestError (400) for bodies an OpenAI server rejects
+    and (404) for paths outside `limits.allowed_paths`."""
+    limits.check_path(path)
     api = api_of(path)
     header_map = headers if isinstance(headers, dict) else dict(headers)
     session_id = header_map.get("x-session-id")
@@ -56,8 +63,12 @@ def parse_request(
         document = _json_decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise RequestError.bad_request(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        # msgspec recurses once per level: far deeper than the limit, so refused the same way.
+        raise limits.too_deep() from None
     if not isinstance(document, dict):
         raise RequestError.bad_request("request body must be a JSON object")
+    limits.check_shape(document)
 
     model = document.get("model")
     if model is None:
@@ -139,10 +150,12 @@ def _read_prompt(request: LLMRequest, document: dict[str, Any], key: str, requir
             request.prompt = "".join(value)
             return
         if _is_token_ids(value):
+            check_token_ids(value, key)
             request.prompt_token_ids = value
             return
         if all(isinstance(v, list) and _is_token_ids(v) for v in value):
             request.prompt_token_ids = [t for ids in value for t in ids]
+            check_token_ids(request.prompt_token_ids, key)
             return
     raise RequestError.bad_request(
         f"'{key}' must be a string, a list of strings, a list of token ids, "

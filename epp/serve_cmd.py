@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 
 from ..framework.types import PodState
 from ..kv_index.api import BlockIndex
+from ..kv_index.curve import CurveServerConfig
 from ..kv_index.ingest import IngestState
 from ..kv_index.manager import KVEventManager
 from ..kv_index.memory import DEFAULT_CAPACITY, MemoryBlockIndex
@@ -43,6 +44,7 @@ from .k8s_discovery import (
 from .model_catalog import ModelCatalog, ModelCatalogPoller, ServedModels
 from .model_routing import ServedModelFilter
 from .prefix_audit import PrefixAudit
+from .request_limits import DEFAULT_ALLOWED_PATHS, RequestLimits
 from .scheduler import build_scheduler
 from .scrape import MetricsScraper
 from .server import DEFAULT_MAX_BODY_BYTES, EppServer, ServerOptions
@@ -51,6 +53,9 @@ from .tokenization import TokenizerRouter
 from .traffic_recorder import TrafficRecorder
 
 log = logging.getLogger(__name__)
+
+# Two endpoints after the primary: a retry survives one more dead pod than it needs to.
+DEFAULT_FALLBACKS = 2
 
 KVEventsMode = Literal["dial", "central", "off"]
 KVIndexKind = Literal["memory", "redis"]
@@ -92,6 +97,12 @@ class ServeOptions:
     # Recorded-traffic JSONL for `epp replay --format recorded`; None = not recorded.
     record_traffic: Path | None = None
     record_prompts: bool = False  # prompts are user data: sizes and timing only by default
+    # Central mode: only publishers with an allowed CURVE key may connect; None = open.
+    kv_events_curve: CurveServerConfig | None = None
+    # Paths forwarded to the pods; any other is answered 404 by the picker.
+    allowed_paths: tuple[str, ...] = DEFAULT_ALLOWED_PATHS
+    # Endpoints sent after the primary, for Envoy to retry on when the primary refuses.
+    fallbacks: int = DEFAULT_FALLBACKS
     # OTLP/gRPC collector for request traces; None = OTEL_EXPORTER_OTLP_ENDPOINT, if set.
     otlp_endpoint: str | None = None
 
@@ -197,7 +208,9 @@ async def serve(
     metrics.record_config(loaded.source, loaded.config.apiVersion)
 
     index = _build_index(options)
-    ingest = IngestState()
+    if isinstance(index, RedisBlockIndex):
+        background.spawn(index.maintain())  # reconnects, re-seeds an emptied store
+    ingest = IngestState(max_hashes_per_tier=options.kv_index_capacity)
     catalog = ModelCatalog(datastore.pods)
 
     def scope_model(address: str) -> str | None:
@@ -214,6 +227,7 @@ async def serve(
         base_model=options.model,
         registry=metrics.registry,
         record_e2e=False,  # the server times the whole scheduling call under that name
+        fallbacks=options.fallbacks,
     )
     events: KVEventManager | None = None
     if options.kv_events_mode != "off":
@@ -225,6 +239,7 @@ async def serve(
             default_model=options.model or "",
             default_events_port=options.kv_events_port,
             default_replay_port=options.kv_replay_port,
+            curve=options.kv_events_curve,
             model_of=None
             if options.model
             else (lambda endpoint: catalog.base_model_of_pod(endpoint.address)),
@@ -251,7 +266,10 @@ async def serve(
         datastore, interval_s=options.scrape_interval_s, on_restart=pod_restarted
     )
     flow = RequestFlow(
-        scheduler, datastore, hooks=[ServedModelFilter(catalog), PrefixAudit(metrics.registry)]
+        scheduler,
+        datastore,
+        destination_count=1 + options.fallbacks,
+        hooks=[ServedModelFilter(catalog), PrefixAudit(metrics.registry)],
     )
     recorder: TrafficRecorder | None = None
     if options.record_traffic is not None:
@@ -262,7 +280,11 @@ async def serve(
     server = EppServer(
         flow,
         adapter_resolver=catalog.resolve_adapter,
-        options=ServerOptions(max_body_bytes=options.max_body_bytes, pool_name=options.pool_name),
+        options=ServerOptions(
+            max_body_bytes=options.max_body_bytes,
+            pool_name=options.pool_name,
+            request_limits=RequestLimits.with_paths(options.allowed_paths),
+        ),
         metrics=metrics,
     )
     tracing = _start_tracing(options, flow, server, scheduler)
@@ -481,6 +503,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="larger request bodies are answered 413",
     )
     parser.add_argument(
+        "--allowed-path",
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="a path forwarded to the pods (repeat; replaces the default list of the OpenAI "
+        "paths vLLM serves: " + ", ".join(DEFAULT_ALLOWED_PATHS) + "); any other is "
+        "answered 404, so engine admin endpoints are never reachable through the gateway",
+    )
+    parser.add_argument(
+        "--fallbacks",
+        type=int,
+        default=DEFAULT_FALLBACKS,
+        help="endpoints listed after the primary in the destination, best-scored first: "
+        "Envoy retries on them when the primary refuses the connection "
+        f"(default {DEFAULT_FALLBACKS}; 0 sends the primary alone)",
+    )
+    parser.add_argument(
         "--pool-name",
         default=None,
         help="the InferencePool's name: the label of the pool's metrics (default: default) "
@@ -541,6 +580,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="tcp://*:5557",
         metavar="ZMQ_ENDPOINT",
         help="where the central-mode SUB socket binds (default %(default)s)",
+    )
+    kv.add_argument(
+        "--kv-events-curve-key",
+        type=Path,
+        metavar="FILE",
+        help="central mode: require ZMQ CURVE. The picker's certificate (with its secret key, "
+        "e.g. epp.key_secret from zmq.auth.create_certificates); needs "
+        "--kv-events-curve-clients",
+    )
+    kv.add_argument(
+        "--kv-events-curve-clients",
+        type=Path,
+        metavar="DIR",
+        help="central mode with CURVE: the directory of the public certificates (*.key) of "
+        "the publishers allowed to connect; any other is refused at the handshake",
     )
     kv.add_argument(
         "--kv-events-port",
@@ -621,6 +675,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def _curve_config(args: argparse.Namespace) -> CurveServerConfig | None:
+    key, clients = args.kv_events_curve_key, args.kv_events_curve_clients
+    if key is None and clients is None:
+        return None
+    if key is None or clients is None:
+        raise ValueError("--kv-events-curve-key and --kv-events-curve-clients go together")
+    if args.kv_events_mode != "central":
+        raise ValueError("CURVE authentication needs --kv-events-mode central")
+    return CurveServerConfig(key, clients)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -641,6 +706,7 @@ def run(args: argparse.Namespace) -> int:
             kv_events_port=args.kv_events_port,
             kv_replay_port=args.kv_replay_port,
         )
+        curve = _curve_config(args)
     except (ConfigError, OSError, ValueError) as exc:
         log.error("%s", exc)
         return 2
@@ -656,10 +722,13 @@ def run(args: argparse.Namespace) -> int:
         endpoints_file=args.endpoints_file,
         k8s=k8s,
         max_body_bytes=args.max_body_bytes,
+        allowed_paths=tuple(args.allowed_path or DEFAULT_ALLOWED_PATHS),
+        fallbacks=max(0, args.fallbacks),
         pool_name=args.pool_name or "default",
         model=args.model,
         kv_events_mode=args.kv_events_mode,
         kv_events_bind=args.kv_events_bind,
+        kv_events_curve=curve,
         kv_events_port=args.kv_events_port,
         kv_replay_port=args.kv_replay_port,
         kv_index=args.kv_index,

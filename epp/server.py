@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import grpc
@@ -30,10 +30,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..framework.lifecycle import FlowRequest
 from ..proto import extproc as px
+from ..proto.eds import add_pool_eds
 from ..proto.extproc import BodyMode
 from .errors import RequestError
 from .flow import RequestFlow
 from .gateway_metrics import GatewayMetrics
+from .request_limits import RequestLimits
 from .request_parser import AdapterResolver, no_adapters, parse_request
 from .usage import UsageReader
 
@@ -49,6 +51,8 @@ class ServerOptions:
     # Used when Envoy does not announce its body mode on the stream (older Envoy).
     default_request_body_mode: BodyMode = BodyMode.FULL_DUPLEX_STREAMED
     pool_name: str = "default"
+    # Which paths reach the pods, and how large a JSON body may be (see request_limits).
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 class Phase(Enum):
@@ -212,6 +216,7 @@ class Exchange:
             body,
             self.request_id,
             gw.adapter_resolver,
+            gw.options.request_limits,
         )
         self._labels = (request.model, request.adapter or request.model)
         gw.metrics.objective(*self._labels).requests.inc()
@@ -436,6 +441,7 @@ class EppServer:
         self._grpc = grpc.aio.server(options=options)
         px.add_ext_proc_service(self._grpc, self.process)
         health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._grpc)
+        add_pool_eds(self._grpc, self.datastore)  # Envoy's view of the pool, for fallbacks
         bind = f"[{host}]" if ":" in host else host  # an IPv6 address such as ::
         address = f"{bind}:{grpc_port}"
         self.grpc_port = (

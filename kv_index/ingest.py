@@ -13,6 +13,7 @@ published extra keys (vLLM puts the salt there, untagged, next to the adapter na
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Literal
 
 from ..framework.types import Medium
@@ -41,6 +42,7 @@ class ApplyResult:
     orphan_blocks: int = 0  # stored after a parent we never saw: no key can be computed
     unknown_removals: int = 0  # removal of a hash we never saw stored
     malformed_events: int = 0
+    evicted_hashes: int = 0  # oldest hash -> key entries dropped to stay within the bound
 
 
 def medium_of(raw: str | None) -> Medium:
@@ -82,10 +84,18 @@ class PodIngest:
 
 
 class IngestState:
-    """What the index learned from each pod's events; pods are "ip:port" addresses."""
+    """What the index learned from each pod's events; pods are "ip:port" addresses.
 
-    def __init__(self) -> None:
+    `max_hashes_per_tier` bounds each pod's hash -> key map per (rank, tier), normally at
+    the index capacity: a pod cannot hold more blocks than the index keeps, so entries
+    beyond it are ones whose removal was lost. The oldest stored go first, in chunks.
+    """
+
+    def __init__(self, max_hashes_per_tier: int | None = None) -> None:
+        if max_hashes_per_tier is not None and max_hashes_per_tier <= 0:
+            raise ValueError("max_hashes_per_tier must be positive")
         self._pods: dict[str, PodIngest] = {}
+        self.max_hashes_per_tier = max_hashes_per_tier
 
     def register_pod(self, pod: str, model: str) -> PodIngest:
         state = self._pods.get(pod)
@@ -196,10 +206,27 @@ class IngestState:
                 return
             seed = found
         # extend_keys ignores tokens past the last full block, so no slicing is needed.
-        keys = extend_keys(seed, token_ids, block_size)
+        try:
+            keys = extend_keys(seed, token_ids, block_size)
+        except OverflowError:  # a token id outside 0..2^32-1: no tokenizer produced it
+            out.malformed_events += 1
+            return
         if len(keys) != len(hashes):
             keys = keys[: len(hashes)]
         tier_map.update(zip(hashes, keys, strict=True))
+        limit = self.max_hashes_per_tier
+        if limit is not None and len(tier_map) > limit:
+            out.evicted_hashes += _trim_oldest(tier_map, limit)
         state.block_size = block_size
         out.stored_blocks += len(keys)
         out.ops.append(IndexOp("add", keys, medium))
+
+
+def _trim_oldest(tier_map: dict[BlockHash, int], limit: int) -> int:
+    """Drops the oldest entries (dicts keep insertion order) to 1/16 below `limit`, so
+    the next trims come in chunks rather than one per stored block."""
+    excess = len(tier_map) - limit + max(1, limit // 16)
+    excess = min(excess, len(tier_map))
+    for block_hash in list(islice(tier_map, excess)):
+        del tier_map[block_hash]
+    return excess

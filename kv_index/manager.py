@@ -5,7 +5,8 @@ Two modes:
   `kv_events`, else tcp://<pod ip>:<default_events_port>);
 - central: the gateway binds one SUB socket, pods' publishers connect to it (vLLM
   connects instead of binding when its `endpoint` names a concrete host), and each
-  batch's topic `kv@<ip:port>@<model>` says which pod sent it.
+  batch's topic `kv@<ip:port>@<model>` says which pod sent it. With `curve`, only
+  publishers holding an allowed CURVE key can connect (see kv_index/curve.py).
 Replay goes to the endpoint's `kv_replay`, else tcp://<pod ip>:<default_replay_port>
 (vLLM offsets both ports by the data-parallel rank).
 
@@ -35,6 +36,7 @@ import zmq.asyncio
 from ..framework.types import Endpoint
 from . import metrics
 from .api import BlockIndex
+from .curve import CurveGuard, CurveServerConfig
 from .ingest import IngestState
 from .memory import MemoryBlockIndex
 from .subscriber import (
@@ -84,9 +86,14 @@ class KVEventManager:
         replay_timeout_s: float = 2.0,
         context: zmq.asyncio.Context | None = None,
         model_of: Callable[[Endpoint], str | None] | None = None,
+        curve: CurveServerConfig | None = None,
     ) -> None:
         if mode not in ("dial", "central"):
             raise ValueError(f"unknown KV event mode {mode!r}")
+        if curve is not None and mode != "central":
+            raise ValueError("CURVE authentication applies to the central socket only")
+        self.curve = curve
+        self._curve_guard: CurveGuard | None = None
         self.index = index
         self.ingest = ingest if ingest is not None else IngestState()
         self.mode = mode
@@ -118,6 +125,9 @@ class KVEventManager:
             sock = self._ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SUBSCRIBE, b"kv@")
+            if self.curve is not None:
+                self._curve_guard = CurveGuard(self._ctx, self.curve)
+                self._curve_guard.secure(sock)
             sock.bind(self.bind)
             self._central_sock = sock
             self._central_task = asyncio.create_task(central_loop(sock, self._route))
@@ -131,6 +141,9 @@ class KVEventManager:
         if self._central_sock is not None:
             self._central_sock.close(linger=0)
             self._central_sock = None
+        if self._curve_guard is not None:
+            self._curve_guard.stop()
+            self._curve_guard = None
         for sub in self._subs.values():
             await cancel_and_wait(sub.task)
             sub.task = None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from itertools import groupby, repeat
 from operator import or_
 
@@ -257,6 +257,24 @@ class MemoryBlockIndex:
         self.evicted_blocks += len(victims)
 
     # ---- reads -----------------------------------------------------------------------
+
+    def held_by_pod(self, chunk: int = 65_536) -> Iterator[dict[tuple[str, Medium], list[int]]]:
+        """Every confirmed (block, pod, tier) entry, grouped by (pod, tier), `chunk` blocks
+        at a time (a snapshot taken up front, so the caller may yield between chunks)."""
+        items = list(self._table.items())
+        pod_of = dict(self._pod_of)
+        for start in range(0, len(items), chunk):
+            grouped: dict[tuple[str, Medium], list[int]] = {}
+            for key, mask in items[start : start + chunk]:
+                while mask:
+                    low = mask & -mask
+                    bit = low.bit_length() - 1
+                    mask ^= low
+                    pod = pod_of.get(bit >> 1)
+                    if pod is not None:
+                        medium: Medium = "CPU" if bit & 1 else "GPU"
+                        grouped.setdefault((pod, medium), []).append(key)
+            yield grouped
 
     def holders_sync(self, key: int) -> dict[str, Medium]:
         """Which pods hold one block (confirmed entries only), for tests and debugging."""

@@ -40,6 +40,22 @@ ORPHAN_BLOCKS = Counter(
     "Stored blocks whose parent was never seen (no key can be computed)",
     ["pod"],
 )
+APPLY_FAILURES = Counter(
+    "smart_epp_kv_apply_failures_total",
+    "Decoded batches that failed to apply to the index (skipped; the stream goes on)",
+    ["pod"],
+)
+SUSPECT_FRAMES = Counter(
+    "smart_epp_kv_suspect_frames_total",
+    "Frames dropped for an implausible sequence number, or an apparent restart the pod's "
+    "replay buffer contradicted",
+    ["pod"],
+)
+HASH_MAP_EVICTIONS = Counter(
+    "smart_epp_kv_hash_map_evictions_total",
+    "vLLM-hash -> key entries dropped to keep a pod's map within the index capacity",
+    ["pod"],
+)
 LAG = Histogram(
     "smart_epp_kv_event_lag_seconds",
     "From the engine's batch timestamp to the batch being applied to the index",
@@ -52,6 +68,16 @@ UNKNOWN_TOPICS = Counter(
 REDIS_UP = Gauge(
     "smart_epp_kv_redis_up",
     "1 while the shared Redis index answers, 0 while routing on local state",
+)
+REDIS_RESEEDS = Counter(
+    "smart_epp_kv_redis_reseeds_total",
+    "Times this replica wrote its local index back to Redis (empty or replaced store, or "
+    "writes lost during an outage)",
+)
+REDIS_DIVERGENCE = Gauge(
+    "smart_epp_kv_redis_divergence_blocks",
+    "Blocks in the shared Redis index minus blocks in this replica's local mirror "
+    "(sampled; near 0 when replicas and the store agree)",
 )
 REDIS_ERRORS = Counter(
     "smart_epp_kv_redis_errors_total", "Redis index operations that failed", ["op"]
@@ -66,6 +92,9 @@ _PER_POD = (
     REPLAYED_BATCHES,
     RESTARTS,
     ORPHAN_BLOCKS,
+    APPLY_FAILURES,
+    SUSPECT_FRAMES,
+    HASH_MAP_EVICTIONS,
 )
 
 

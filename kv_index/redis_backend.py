@@ -12,16 +12,30 @@ Every operation is one Lua script call: one round trip, atomic across replicas.
 The backend also keeps a local `MemoryBlockIndex` mirror. When Redis is unreachable,
 lookups answer from the mirror, writes keep updating it, and the outage shows in
 `smart_epp_kv_redis_up` and the log; Redis is tried again after `retry_after_s`.
+
+Recovery (`maintain()`, a background loop): after a failure every pooled connection is
+dropped at once (a restarted server leaves all of them stale, which otherwise fail one
+by one and flap the state), connections idle for a while are checked with PING before
+use, and a failed command is retried once on a fresh connection. `ns:epoch` names the
+store's generation: when it is missing (the server came back empty, or was replaced) or
+changed, and after every outage of this replica, the replica writes its local mirror
+back (per pod: clear, then add), so replicas that share the store converge on what the
+pods published. `smart_epp_kv_redis_divergence_blocks` is the store's block count minus
+the mirror's, sampled every interval.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable, Collection, Sequence
 
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from ..framework.types import Medium, PrefixHit
 from . import metrics
@@ -244,12 +258,23 @@ class RedisBlockIndex:
         self._lookup = client.register_script(_LOOKUP)
         self.up = True
         self._down_since = 0.0
+        # The store generation this replica's state was last written under; None = never.
+        self._epoch: bytes | None = None
+        self._reconcile = False  # writes were lost while the store was unreachable
+        self.reseeds = 0
         metrics.REDIS_UP.set(1)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: object) -> RedisBlockIndex:
         client = aioredis.Redis.from_url(
-            url, socket_connect_timeout=0.5, socket_timeout=0.5, decode_responses=False
+            url,
+            socket_connect_timeout=0.5,
+            socket_timeout=0.5,
+            decode_responses=False,
+            # A connection idle this long is PINGed before use, not found stale by a command.
+            health_check_interval=5,
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
         )
         return cls(client, **kwargs)  # type: ignore[arg-type]
 
@@ -261,13 +286,16 @@ class RedisBlockIndex:
     def _should_try(self) -> bool:
         return self.up or time.monotonic() - self._down_since >= self.retry_after_s
 
-    def _failed(self, op: str, exc: BaseException) -> None:
+    async def _failed(self, op: str, exc: BaseException) -> None:
         metrics.REDIS_ERRORS.labels(op).inc()
         if self.up:
             log.warning("kv index: Redis unreachable (%s: %s); routing on local state", op, exc)
         self.up = False
+        self._reconcile = True
         self._down_since = time.monotonic()
         metrics.REDIS_UP.set(0)
+        # Whatever broke one pooled connection (a restart, a failover) broke them all.
+        await self.client.connection_pool.disconnect()
 
     def _succeeded(self) -> None:
         if not self.up:
@@ -281,7 +309,7 @@ class RedisBlockIndex:
         try:
             result = await script(args=args)  # type: ignore[operator]
         except _CONNECTION_ERRORS as exc:
-            self._failed(op, exc)
+            await self._failed(op, exc)
             return None
         self._succeeded()
         return result
@@ -335,6 +363,57 @@ class RedisBlockIndex:
             if blocks:
                 out[pod] = PrefixHit(blocks=blocks, medium="CPU" if int(items[j + 2]) else "GPU")
         return out
+
+    # ---- recovery ------------------------------------------------------------------------
+
+    async def maintain(self, interval_s: float = 1.0) -> None:
+        """Runs `check()` every `interval_s` until cancelled."""
+        while True:
+            try:
+                await self.check()
+            except _CONNECTION_ERRORS as exc:
+                await self._failed("check", exc)
+            except redis.exceptions.RedisError as exc:
+                log.warning("kv index: Redis check failed: %s", exc)
+            await asyncio.sleep(interval_s)
+
+    async def check(self) -> bool:
+        """One recovery step; True when the local state was written back to the store."""
+        if not self._should_try():
+            return False
+        epoch_key = f"{self.namespace}:epoch"
+        epoch = await self.client.get(epoch_key)
+        if epoch is None:  # empty or replaced: start a new generation (one replica wins)
+            await self.client.set(epoch_key, uuid.uuid4().hex, nx=True)
+            epoch = await self.client.get(epoch_key)
+        self._succeeded()
+        reseed = epoch != self._epoch or self._reconcile
+        if reseed:
+            reason = "lost writes during an outage" if self._reconcile else "new store generation"
+            written = await self._write_back(clear=self._reconcile)
+            self._epoch, self._reconcile = epoch, False
+            self.reseeds += 1
+            metrics.REDIS_RESEEDS.inc()
+            log.info("kv index: wrote %d local entries back to Redis (%s)", written, reason)
+        metrics.REDIS_DIVERGENCE.set(await self.entries() - self.local.blocks)
+        return reseed
+
+    async def _write_back(self, clear: bool, batch: int = 4096) -> int:
+        """Writes every confirmed local entry to the store; with `clear`, each pod's store
+        entries are dropped first (removals made while it was unreachable)."""
+        if clear:
+            for pod in self.local.pods():
+                await self._clear(args=[self.namespace, pod])
+        written = 0
+        for chunk in self.local.held_by_pod():
+            for (pod, medium), keys in chunk.items():
+                for start in range(0, len(keys), batch):
+                    part = keys[start : start + batch]
+                    args = [self.namespace, pod, _bit(medium), self.capacity, *part]
+                    await self._add(args=args)
+                    written += len(part)
+            await asyncio.sleep(0)  # a large mirror must not hold up routing
+        return written
 
     async def entries(self) -> int:
         """Distinct blocks held in Redis (for tests and the benchmark)."""

@@ -8,9 +8,12 @@ number means:
   nothing at shutdown; the only sign is the numbering starting again at 0);
 - an earlier one that is not newer: a batch seen twice (the SUB queue and a replay can
   overlap), dropped.
+- a later one far beyond any plausible loss (a corrupt or forged frame, e.g. 2^64-1):
+  suspect, never trusted as a gap to count or a restart to wipe for until verified.
 A restart whose first batches were all lost looks like a gap; the replay that fills it
 tells the two apart (see `anchor`): the pod's buffer must still hold our last applied
-batch, with the same timestamp, if it is the same process.
+batch, with the same timestamp, if it is the same process. The same check verifies a
+suspect frame or an apparent restart before anything is dropped.
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ class Verdict(Enum):
     GAP = "gap"
     RESTART = "restart"
     DUPLICATE = "duplicate"
+    SUSPECT = "suspect"
+
+
+# vLLM's replay buffer keeps 10,000 batches by default; a jump of more than a million
+# batches is not a loss a replay could ever fill, so it is not believed.
+MAX_PLAUSIBLE_GAP = 1 << 20
 
 
 @dataclass(slots=True)
@@ -35,10 +44,14 @@ class SequenceTracker:
         """Classifies batch `seq`; the int is where a replay should start (GAP)."""
         expected = self.expected
         if expected is None:
-            return (Verdict.APPLY, seq) if seq == 0 else (Verdict.GAP, 0)
+            if seq == 0:
+                return Verdict.APPLY, seq
+            return (Verdict.SUSPECT, 0) if seq > MAX_PLAUSIBLE_GAP else (Verdict.GAP, 0)
         if seq == expected:
             return Verdict.APPLY, seq
         if seq > expected:
+            if seq - expected > MAX_PLAUSIBLE_GAP:
+                return Verdict.SUSPECT, expected
             return Verdict.GAP, expected
         if ts > self.last_ts:
             return Verdict.RESTART, 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +24,7 @@ from . import metrics
 from .api import BlockIndex
 from .events import DecodeError, EventBatch, decode_batch
 from .ingest import ApplyResult, IngestState
+from .log_throttle import LogThrottle
 from .sequence import SequenceTracker, Verdict
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,7 @@ class PodEventStream:
         wall_clock: Callable[[], float] = time.time,
         model_from_topic: bool = False,
         replay_backoff_s: float = 10.0,
+        warn_interval_s: float = 60.0,
     ) -> None:
         self.pod = pod
         self.model = model
@@ -109,6 +112,8 @@ class PodEventStream:
         self.replay_backoff_s = replay_backoff_s
         self._replay_blocked_until = 0.0
         self._last_topic = b""
+        # Warnings a broken or hostile publisher could repeat every batch: once a minute.
+        self._log_throttle = LogThrottle(warn_interval_s)
         ingest.register_pod(pod, model)
 
     def learn_model(self, topic: bytes) -> None:
@@ -137,7 +142,7 @@ class PodEventStream:
             try:
                 await self._handle(seq, payload)
             except Exception:  # one bad batch or backend hiccup must not stop the stream
-                log.exception("kv events: failed to apply batch %d from %s", seq, self.pod)
+                self._warn_throttled("failed to handle batch %d from %s", seq, self.pod)
 
     async def _handle(self, seq: int, payload: bytes) -> None:
         try:
@@ -158,10 +163,26 @@ class PodEventStream:
         verdict, start = tracker.observe(seq, batch.ts)
         if verdict is Verdict.DUPLICATE:
             return
-        if verdict is Verdict.RESTART:
+        if verdict is Verdict.RESTART or verdict is Verdict.SUSPECT:
+            # Verified against the pod's replay buffer before anything is wiped: a frame
+            # that is corrupt or forged must not clear a healthy pod's index.
+            same = await self._same_process(rank)
+            if same or (same is None and verdict is Verdict.SUSPECT):
+                metrics.SUSPECT_FRAMES.labels(self.pod).inc()
+                self._warn_throttled(
+                    "dropped batch %d from %s: sequence implausible after %s",
+                    seq,
+                    self.pod,
+                    tracker.expected,
+                )
+                return
             metrics.RESTARTS.labels(self.pod).inc()
             log.info("kv events: %s restarted (seq %d after %s)", self.pod, seq, tracker.expected)
             await self._reset()
+            if verdict is Verdict.SUSPECT:
+                # The numbering of the new process is unknown: take what it buffers.
+                await self._replay(rank, 0, None)
+                return
             verdict, start = tracker.observe(seq, batch.ts)
         if verdict is Verdict.GAP:
             missing = seq - start
@@ -176,6 +197,42 @@ class PodEventStream:
                     recovered,
                 )
         await self._apply(rank, seq, batch)
+
+    async def _same_process(self, rank: int) -> bool | None:
+        """Whether the pod still buffers our last applied batch with the same timestamp
+        (the same engine process); None when that cannot be asked."""
+        tracker = self.tracker(rank)
+        anchor = tracker.anchor()
+        if (
+            anchor is None
+            or self._replay_for_rank is None
+            or time.monotonic() < self._replay_blocked_until
+        ):
+            return None
+        client = self._replay_for_rank(rank)
+        try:
+            async with aclosing(client.fetch(anchor)) as replayed:
+                async for _topic, seq, payload in replayed:
+                    if seq != anchor:
+                        return True  # our anchor aged out of a buffer that went on filling
+                    try:
+                        batch, _ = decode_batch(payload)
+                    except DecodeError:
+                        return None
+                    return batch.ts == tracker.last_ts
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.warning("kv events: replay from %s failed: %s", client.endpoint, exc)
+            self._replay_blocked_until = time.monotonic() + self.replay_backoff_s
+            return None
+        return False  # nothing at or after our anchor: a younger process
+
+    def _warn_throttled(self, message: str, *args: object) -> None:
+        held = self._log_throttle.allow()
+        if held is None:
+            return
+        suffix = f" ({held} similar messages held back)" if held else ""
+        failing = sys.exc_info()[1] is not None
+        log.warning("kv events: " + message + suffix, *args, exc_info=failing)
 
     async def rebuild(self, model: str | None = None) -> None:
         """Drops what the pod published (re-keying it under `model` when given) and
@@ -251,14 +308,22 @@ class PodEventStream:
         return applied
 
     async def _apply(self, rank: int, seq: int, batch: EventBatch) -> None:
-        result = self.ingest.apply(self.pod, batch, self.model)
-        for op in result.ops:
-            if op.kind == "add":
-                await self.index.add(self.pod, op.keys, op.medium)
-            elif op.kind == "remove":
-                await self.index.remove(self.pod, op.keys, op.medium)
-            else:
-                await self.index.clear_pod(self.pod)
+        try:
+            result = self.ingest.apply(self.pod, batch, self.model)
+            for op in result.ops:
+                if op.kind == "add":
+                    await self.index.add(self.pod, op.keys, op.medium)
+                elif op.kind == "remove":
+                    await self.index.remove(self.pod, op.keys, op.medium)
+                else:
+                    await self.index.clear_pod(self.pod)
+        except Exception:
+            # The batch is skipped but its number consumed: retrying it by replay would
+            # fail the same way, and every later batch would look like a gap.
+            metrics.APPLY_FAILURES.labels(self.pod).inc()
+            self.tracker(rank).applied(seq, batch.ts)
+            self._warn_throttled("failed to apply batch %d from %s", seq, self.pod)
+            return
         self.tracker(rank).applied(seq, batch.ts)
         self._count(batch, result)
 
@@ -272,6 +337,7 @@ class PodEventStream:
                 "stored": metrics.BLOCKS.labels(pod, "stored"),
                 "removed": metrics.BLOCKS.labels(pod, "removed"),
                 "orphan": metrics.ORPHAN_BLOCKS.labels(pod),
+                "evicted": metrics.HASH_MAP_EVICTIONS.labels(pod),
                 "decode": metrics.DECODE_ERRORS.labels(pod),
                 **{name: metrics.EVENTS.labels(pod, name) for name in _EVENT_TYPES},
             }
@@ -289,6 +355,8 @@ class PodEventStream:
             counters["removed"].inc(result.removed_blocks)
         if result.orphan_blocks:
             counters["orphan"].inc(result.orphan_blocks)
+        if result.evicted_hashes:
+            counters["evicted"].inc(result.evicted_hashes)
         if result.malformed_events:
             counters["decode"].inc(result.malformed_events)
 

@@ -73,11 +73,12 @@ async def gateway(
     options: ServerOptions | None = None,
     destination_count: int = 1,
     register_backends: bool = True,
-    fallback_backend: int | None = None,
     tls: grpc.ServerCredentials | None = None,
+    pool_backends: Sequence[int] | None = None,
     **envoy_overrides: object,
 ) -> AsyncIterator[Gateway]:
-    """With `tls`, the picker serves ext_proc over TLS and Envoy speaks TLS to it."""
+    """With `tls`, the picker serves ext_proc over TLS and Envoy speaks TLS to it. With
+    `pool_backends`, Envoy's pool is those backends, listed statically (else over EDS)."""
     async with echo_backends(backends) as pods:
         datastore = Datastore()
         if register_backends:
@@ -87,8 +88,8 @@ async def gateway(
         server = EppServer(flow, options=options)
         await server.start(grpc_port=0, health_port=0, metrics_port=0, host="127.0.0.1", tls=tls)
         envoy_overrides.setdefault("secure_serving", tls is not None)
-        if fallback_backend is not None:
-            envoy_overrides["fallback_endpoints"] = (pods[fallback_backend].address,)
+        if pool_backends is not None:
+            envoy_overrides["pool_endpoints"] = tuple(pods[i].address for i in pool_backends)
         try:
             async with (
                 async_running_envoy(

@@ -50,7 +50,7 @@ def test_every_mode_combination_is_accepted_by_envoy(tmp_path: Path) -> None:
             EnvoyOptions(
                 body_mode=body_mode,  # type: ignore[arg-type]
                 failure_mode=failure_mode,  # type: ignore[arg-type]
-                fallback_endpoints=fallback,
+                pool_endpoints=fallback,
                 bypass_backend="127.0.0.1:9",
             )
         )
@@ -67,4 +67,4 @@ def test_bad_render_options_are_refused() -> None:
     with pytest.raises(ValueError, match="body mode"):
         render_envoy_config(EnvoyOptions(body_mode="streamed"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="IP:PORT"):
-        render_envoy_config(EnvoyOptions(fallback_endpoints=("pods.example:80",)))
+        render_envoy_config(EnvoyOptions(pool_endpoints=("pods.example:80",)))

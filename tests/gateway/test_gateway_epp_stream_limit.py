@@ -32,7 +32,8 @@ def test_default_stream_cap_is_far_above_envoys_default() -> None:
 
 
 async def test_the_stream_cap_governs_concurrent_requests() -> None:
-    async with gateway("full-duplex", backends=1, epp_max_streams=2) as gw:
+    # Three streams: the pool's EDS subscription to the picker holds one for good.
+    async with gateway("full-duplex", backends=1, epp_max_streams=3) as gw:
         url = f"{gw.url}/v1/completions"
         slow = {"x-sse-delay-ms": "300"}
         body = {"model": "tiny", "prompt": "hold", "stream": True}

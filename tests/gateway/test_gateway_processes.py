@@ -78,7 +78,7 @@ def test_bad_flags_are_refused() -> None:
     )
     assert result.returncode == 2 and "HOST:PORT" in result.stderr
     result = subprocess.run(
-        [*EPP, "envoy", "--print-config", "--fallback-endpoint", "host.example:80"],
+        [*EPP, "envoy", "--print-config", "--endpoint", "host.example:80"],
         capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 2 and "IP:PORT" in result.stderr

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from smart_epp.epp.errors import RequestError
+from smart_epp.epp.request_limits import RequestLimits
 from smart_epp.epp.request_parser import parse_request
 from smart_epp.framework.types import Api
 
@@ -114,3 +115,73 @@ def test_other_paths_are_lenient() -> None:
     r = parse("/tokenize", {"prompt": "x"})
     assert r.api is Api.OTHER and r.model == ""
     assert parse("/v1/completions?x=1", {"model": "m", "prompt": "p"}).api is Api.COMPLETIONS
+
+
+# ----------------------------------------------------------------- hostile input
+
+
+def deep(depth: int, opener: bytes = b"[", closer: bytes = b"]") -> bytes:
+    return b'{"model": "m", "prompt": ' + opener * depth + b"1" + closer * depth + b"}"
+
+
+@pytest.mark.parametrize("depth", [64, 65, 1_000, 100_000])
+def test_nesting_beyond_the_limit_is_400(depth: int) -> None:
+    # The document itself is level 1, the prompt list level 2: 63 brackets fit, 64 do not.
+    with pytest.raises(RequestError) as caught:
+        parse_request("/v1/completions", {}, deep(depth), "r")
+    assert caught.value.status == 400 and "nested" in caught.value.message
+    objects = deep(depth, b'{"a":', b"}")
+    with pytest.raises(RequestError):
+        parse_request("/v1/completions", {}, objects, "r")
+
+
+def test_nesting_within_the_limit_is_parsed() -> None:
+    with pytest.raises(RequestError) as caught:  # parsed, then refused for its prompt type
+        parse_request("/v1/completions", {}, deep(63), "r")
+    assert caught.value.param == "prompt"
+    limits = RequestLimits(max_depth=3)
+    assert parse_request("/v1/completions", {}, deep(1), "r", limits=limits).prompt_token_ids == [1]
+    with pytest.raises(RequestError) as caught:
+        parse_request("/v1/completions", {}, deep(3), "r", limits=limits)
+    assert "nested" in caught.value.message
+
+
+def test_element_count_limit() -> None:
+    limits = RequestLimits(max_elements=100)
+    body = json.dumps({"model": "m", "prompt": list(range(98))}).encode()
+    assert (
+        len(parse_request("/v1/completions", {}, body, "r", limits=limits).prompt_token_ids or [])
+        == 98
+    )
+    body = json.dumps({"model": "m", "prompt": list(range(99))}).encode()
+    with pytest.raises(RequestError) as caught:
+        parse_request("/v1/completions", {}, body, "r", limits=limits)
+    assert caught.value.status == 400 and "JSON values" in caught.value.message
+
+
+@pytest.mark.parametrize("ids", [[-1], [2**32], [1, 2**40], [[1], [2**64]]])
+def test_out_of_range_token_ids_are_400(ids: list[object]) -> None:
+    with pytest.raises(RequestError) as caught:
+        parse("/v1/completions", {"model": "m", "prompt": ids})
+    assert caught.value.status == 400 and caught.value.param == "prompt"
+    assert parse("/v1/completions", {"model": "m", "prompt": [0, 2**32 - 1]}).prompt_token_ids
+
+
+@pytest.mark.parametrize(
+    "path", ["/reset_prefix_cache", "/metrics", "/health", "/sleep", "/v1/load_lora_adapter", "/"]
+)
+def test_paths_outside_the_allow_list_are_404(path: str) -> None:
+    with pytest.raises(RequestError) as caught:
+        parse_request(path, {}, b"", "r")
+    error = caught.value
+    assert error.status == 404
+    assert json.loads(error.body())["error"]["type"] == "not_found_error"
+
+
+def test_allow_list_is_configurable() -> None:
+    limits = RequestLimits.with_paths(["/v1/completions/", "/generate"])
+    assert parse_request("/generate?x=1", {}, b"{}", "r", limits=limits).api is Api.OTHER
+    with pytest.raises(RequestError):
+        parse_request("/v1/chat/completions", {}, b"{}", "r", limits=limits)
+    anything = RequestLimits(allowed_paths=None)
+    assert parse_request("/metrics", {}, b"", "r", limits=anything).api is Api.OTHER

@@ -94,7 +94,7 @@ async def test_wrong_ca_fails_closed(tmp_path: Path, capfd: pytest.CaptureFixtur
 async def test_wrong_ca_fails_open_to_the_fallback_pool(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    async with wrong_ca_gateway(tmp_path, failure_mode="open", fallback_backend=1) as gw:
+    async with wrong_ca_gateway(tmp_path, failure_mode="open", pool_backends=[1]) as gw:
         await async_wait_until(lambda: verify_failures(gw) > 0, what="a refused handshake")
         status, answer = await completion(gw, 0)
         assert status == 200 and answer["backend"] == gw.backends[1].name

@@ -26,11 +26,14 @@ class VllmKvPublisher:
         events_endpoint: str,
         replay_endpoint: str | None,
         connect: bool = False,
+        curve: tuple[bytes, bytes, bytes] | None = None,
     ) -> None:
         self.topic = topic.encode()
         self.events_endpoint = events_endpoint
         self.replay_endpoint = replay_endpoint
         self.connect = connect
+        # (own public key, own secret key, the server's public key) for a CURVE client
+        self.curve = curve
         self.ctx = zmq.asyncio.Context()
         self.seq = 0
         self.buffer: list[tuple[int, bytes]] = []
@@ -40,17 +43,31 @@ class VllmKvPublisher:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> VllmKvPublisher:
+        # A socket whose bind fails is closed at once: a leaked one would keep its port
+        # and make the context's term() wait forever.
         pub = self.ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        if self.connect:
-            pub.connect(self.events_endpoint)
-        else:
-            pub.bind(self.events_endpoint)
+        try:
+            pub.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:
+                pub.curve_publickey, pub.curve_secretkey, pub.curve_serverkey = self.curve
+            if self.connect:
+                pub.connect(self.events_endpoint)
+            else:
+                pub.bind(self.events_endpoint)
+        except zmq.ZMQError:
+            pub.close(linger=0)
+            raise
         self._pub = pub
         if self.replay_endpoint is not None:
             router = self.ctx.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
-            router.bind(self.replay_endpoint)
+            try:
+                router.setsockopt(zmq.LINGER, 0)
+                router.bind(self.replay_endpoint)
+            except zmq.ZMQError:
+                router.close(linger=0)
+                pub.close(linger=0)
+                self._pub = None
+                raise
             self._router = router
             self._task = asyncio.create_task(self._serve_replay())
         return self
@@ -98,7 +115,7 @@ class VllmKvPublisher:
         await self.stop()
         self.seq = 0
         self.buffer.clear()
-        for _ in range(50):  # the old sockets release their ports asynchronously
+        for _ in range(200):  # the old sockets release their ports asynchronously
             try:
                 await self.start()
                 return

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from smart_epp.kv_index.sequence import SequenceTracker, Verdict
+from smart_epp.kv_index.sequence import MAX_PLAUSIBLE_GAP, SequenceTracker, Verdict
 
 
 def test_in_order_stream() -> None:
@@ -25,3 +25,11 @@ def test_gap_restart_and_duplicate() -> None:
     assert t.wants(4) and not t.wants(3)
     t.reset()
     assert t.expected is None and t.anchor() is None and t.wants(0)
+
+
+def test_implausible_jumps_are_suspect_not_gaps() -> None:
+    t = SequenceTracker()
+    assert t.observe(2**64 - 2, 1.0) == (Verdict.SUSPECT, 0)  # as a stream's first frame
+    t.applied(0, 1.0)
+    assert t.observe(1 + MAX_PLAUSIBLE_GAP, 2.0) == (Verdict.GAP, 1)
+    assert t.observe(2 + MAX_PLAUSIBLE_GAP, 2.0) == (Verdict.SUSPECT, 1)

@@ -1,0 +1,75 @@
+"""Several picker replicas behind one Envoy: streams are balanced over the live ones, and a
+replica that goes away stops receiving them."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from conftest import TARGET_HEADER, PickByHeader
+from support.backends import echo_backends
+from support.envoy import async_running_envoy
+
+from smart_epp.epp.datastore import Datastore
+from smart_epp.epp.envoy_cmd import EnvoyOptions, epp_replicas, render_envoy_config
+from smart_epp.epp.flow import RequestFlow
+from smart_epp.epp.server import EppServer
+from smart_epp.framework.types import Endpoint
+
+
+def test_replicas_render_into_one_health_checked_cluster() -> None:
+    options = EnvoyOptions(epp_replicas=("10.0.0.1:9002", "10.0.0.2:9002"), epp_health_port=9003)
+    config = render_envoy_config(options)
+    assert config.count("port_value: 9002}") == 2
+    assert config.count("health_check_config: {port_value: 9003}") == 2
+    assert "outlier_detection" in config
+    assert epp_replicas(EnvoyOptions(epp_host="h", epp_port=1)) == [("h", 1)]
+    with pytest.raises(ValueError, match="twice"):
+        render_envoy_config(EnvoyOptions(epp_replicas=("10.0.0.1:1", "10.0.0.1:1")))
+
+
+@pytest.mark.envoy
+async def test_streams_go_to_live_replicas_only() -> None:
+    async with echo_backends(2) as pods:
+        replicas: list[tuple[EppServer, PickByHeader]] = []
+        for _ in range(2):
+            datastore = Datastore()
+            datastore.set_endpoints([Endpoint(b.address) for b in pods])
+            scheduler = PickByHeader()
+            server = EppServer(RequestFlow(scheduler, datastore))
+            await server.start(grpc_port=0, health_port=None, metrics_port=None, host="127.0.0.1")
+            replicas.append((server, scheduler))
+        addresses = tuple(f"127.0.0.1:{server.grpc_port}" for server, _ in replicas)
+        try:
+            async with (
+                async_running_envoy(
+                    epp_replicas=addresses, secure_serving=False, epp_health_interval_s=0.2
+                ) as envoy,
+                aiohttp.ClientSession() as http,
+            ):
+
+                async def send(n: int) -> list[int]:
+                    statuses = []
+                    for i in range(n):
+                        body = {"model": "tiny", "prompt": f"hello {i}"}
+                        headers = {TARGET_HEADER: pods[i % 2].address}
+                        async with http.post(
+                            f"{envoy.url}/v1/completions", json=body, headers=headers
+                        ) as response:
+                            statuses.append(response.status)
+                    return statuses
+
+                assert await send(40) == [200] * 40
+                # Envoy's round robin over two healthy replicas gives each a share.
+                assert all(len(s.routed) >= 10 for _, s in replicas), [
+                    len(s.routed) for _, s in replicas
+                ]
+                dead, _ = replicas[0]
+                await dead.stop(0)
+                before = len(replicas[0][1].routed)
+                # Once the health check has seen it gone, every stream goes to the other.
+                statuses = await send(60)
+                assert statuses[-30:] == [200] * 30
+                assert len(replicas[0][1].routed) == before
+        finally:
+            for server, _ in replicas:
+                await server.stop(0)
