@@ -15,6 +15,7 @@ from typing import Literal
 
 import jinja2
 
+from ..proto.access_log import RECORD_FORMAT
 from .discovery import parse_address
 from .envoy_local_replies import LOCAL_REPLY_MAPPERS
 from .flags import add_secure_serving
@@ -24,6 +25,9 @@ from .server import DEFAULT_MAX_BODY_BYTES
 TEMPLATE = Path(__file__).resolve().parents[1] / "deploy" / "envoy" / "envoy.yaml.j2"
 
 BodyModeName = Literal["buffered", "full-duplex"]
+# access-log: the response bypasses the picker, which hears of it from Envoy's access
+# log; ext-proc: every response chunk crosses ext_proc (usage read from the body).
+ResponsePathName = Literal["access-log", "ext-proc"]
 FailureModeName = Literal["open", "close"]
 
 
@@ -34,6 +38,9 @@ class EnvoyOptions:
     epp_host: str = "127.0.0.1"
     body_mode: BodyModeName = "full-duplex"
     failure_mode: FailureModeName = "close"
+    response_path: ResponsePathName = "access-log"
+    # How long Envoy gathers access-log records before sending a batch to the picker.
+    access_log_flush_ms: int = 20
     # The picker's own limit by default: Envoy buffers no more than the picker accepts.
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     admin_port: int = 19000
@@ -83,6 +90,10 @@ def render_envoy_config(options: EnvoyOptions) -> str:
         raise ValueError(f"body mode must be buffered or full-duplex, not {options.body_mode!r}")
     if options.failure_mode not in ("open", "close"):
         raise ValueError(f"failure mode must be open or close, not {options.failure_mode!r}")
+    if options.response_path not in ("access-log", "ext-proc"):
+        raise ValueError(
+            f"response path must be access-log or ext-proc, not {options.response_path!r}"
+        )
     environment = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATE.parent),
         undefined=jinja2.StrictUndefined,
@@ -101,7 +112,13 @@ def render_envoy_config(options: EnvoyOptions) -> str:
     if options.retries < 0:
         raise ValueError("retries must be 0 or more")
     replicas = epp_replicas(options)
+    # One cluster per replica for the access log when there are several, so each
+    # replica hears of the requests it routed (Envoy would balance one logger's batches).
+    log_clusters = [(f"epp_log_{i}", [r]) for i, r in enumerate(replicas)]
+    several = len(replicas) > 1 and options.response_path == "access-log"
     return environment.get_template(TEMPLATE.name).render(
+        epp_clusters=[("epp", replicas), *(log_clusters if several else [])],
+        access_log_clusters=[name for name, _ in log_clusters] if several else ["epp"],
         listen_address=options.listen_address,
         listen_port=options.listen_port,
         admin_port=options.admin_port,
@@ -110,6 +127,9 @@ def render_envoy_config(options: EnvoyOptions) -> str:
         epp_cluster_type="STATIC" if all(_is_ip(h) for h, _ in replicas) else "STRICT_DNS",
         body_mode=options.body_mode,
         failure_mode=options.failure_mode,
+        response_path=options.response_path,
+        access_log_flush_ms=options.access_log_flush_ms,
+        access_log_format=RECORD_FORMAT,
         max_body_bytes=options.max_body_bytes,
         message_timeout_s=options.message_timeout_s,
         epp_health_interval_s=options.epp_health_interval_s,
@@ -208,6 +228,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--body-mode", choices=("buffered", "full-duplex"), default="full-duplex")
     parser.add_argument("--failure-mode", choices=("open", "close"), default="close")
+    parser.add_argument(
+        "--response-path",
+        choices=("access-log", "ext-proc"),
+        default="access-log",
+        help="access-log (default): responses bypass the picker, which learns how each "
+        "went from Envoy's access log; ext-proc: every response chunk crosses ext_proc "
+        "so the picker reads `usage` from the body",
+    )
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument("--admin-port", type=int, default=19000)
     parser.add_argument(
@@ -261,6 +289,7 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
         epp_host=args.epp_host,
         body_mode=args.body_mode,
         failure_mode=args.failure_mode,
+        response_path=args.response_path,
         max_body_bytes=args.max_body_bytes,
         admin_port=args.admin_port,
         pool_endpoints=tuple(args.endpoint),

@@ -161,9 +161,10 @@ class RequestFlow:
 
     # ------------------------------------------------------------------ response path
 
-    def first_byte(self, flow: FlowRequest) -> None:
+    def first_byte(self, flow: FlowRequest, at: float | None = None) -> None:
+        """The first byte of the response body arrived (`at`: when, on the flow's clock)."""
         if flow.first_byte_at is None:
-            flow.first_byte_at = self.clock()
+            flow.first_byte_at = self.clock() if at is None else at
 
     def served_by(self, flow: FlowRequest, address: str) -> None:
         """A fallback (or a retry) answered: move the in-flight load to it."""
@@ -173,14 +174,24 @@ class RequestFlow:
         self._book_on(flow, address)
 
     def finish(
-        self, flow: FlowRequest, *, ok: bool, status: int = 0, usage: Usage | None = None
+        self,
+        flow: FlowRequest,
+        *,
+        ok: bool,
+        status: int = 0,
+        usage: Usage | None = None,
+        ended_at: float | None = None,
     ) -> Outcome | None:
-        """Ends the request exactly once; later calls return None."""
+        """Ends the request exactly once; later calls return None.
+
+        `ended_at`: when the response ended on the flow's clock, for observers that hear
+        of it later (an access log arrives in batches); default now.
+        """
         if flow.finished or flow.decision is None or flow.served is None:
             return None
         self._open.pop(id(flow), None)
         self._release(flow)
-        now = self.clock()
+        now = self.clock() if ended_at is None else ended_at
         ttft = flow.first_byte_at - flow.routed_at if flow.first_byte_at is not None else None
         outcome = Outcome(
             address=flow.served,

@@ -7,9 +7,12 @@ owns the request's life: candidates, scheduling, in-flight accounting, re-bookin
 endpoint that served, and the outcome hooks.
 
 Request path: parse the OpenAI body, route through the flow, answer Envoy with the
-destination header + `envoy.lb` metadata. Response path: learn the status and the served
-endpoint, read `usage` as chunks pass (after each chunk has been answered, so the stream
-is never held up), and finish the flow.
+destination header + `envoy.lb` metadata. Response path, when Envoy announces no
+response body processing (the shipped config): the ext_proc stream ends after routing
+and the request waits in the `ResponseLog` for Envoy's access-log record, so a response
+never depends on the picker staying up. When Envoy streams the response through
+ext_proc: learn the status and the served endpoint, read `usage` as chunks pass (after
+each chunk has been answered, so the stream is never held up), and finish the flow.
 
 Adapter resolution: `adapter_resolver(model)` returns the LoRA adapter a model name
 refers to, or None for a base model; the default knows no adapters.
@@ -29,6 +32,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..framework.lifecycle import FlowRequest
+from ..proto import access_log
 from ..proto import extproc as px
 from ..proto.eds import add_pool_eds
 from ..proto.extproc import BodyMode
@@ -37,6 +41,7 @@ from .flow import RequestFlow
 from .gateway_metrics import GatewayMetrics
 from .request_limits import RequestLimits
 from .request_parser import AdapterResolver, no_adapters, parse_request
+from .response_log import ResponseLog
 from .usage import UsageReader
 
 log = logging.getLogger(__name__)
@@ -71,6 +76,7 @@ class Exchange:
     __slots__ = (
         "_after",
         "_arrived",
+        "_awaits_log",
         "_body_parts",
         "_body_size",
         "_forwarded",
@@ -110,6 +116,8 @@ class Exchange:
         self._forwarded: dict[str, str] = {}
         # Work to do once the replies are on their way to Envoy.
         self._after: Callable[[], None] | None = None
+        # The outcome comes from the access log, not from this stream.
+        self._awaits_log = False
 
     @property
     def done(self) -> bool:
@@ -235,6 +243,10 @@ class Exchange:
         gw.metrics.record_attempt(self._labels[1], chosen[0].address)
         self.tracked = tracked
         self.phase = Phase.ROUTED
+        if self.response_mode is BodyMode.NONE:
+            # Registered before the reply leaves, so its record cannot arrive first.
+            gw.response_log.expect(tracked)
+            self._awaits_log = True
         decision = tracked.decision
         response_headers: tuple[tuple[str, str], ...] = ()
         if decision is not None and (decision.forward or decision.request_headers):
@@ -358,7 +370,7 @@ class Exchange:
             self.after_replies()
         except Exception:
             log.exception("request %s: response bookkeeping failed", self.request_id or "?")
-        if self.tracked is not None and not self.tracked.finished:
+        if self.tracked is not None and not self.tracked.finished and not self._awaits_log:
             self._finish(ok=False)
 
 
@@ -383,6 +395,7 @@ class EppServer:
         )
         # Durations, token counts and response errors come from each request's outcome.
         flow.add_hook(self.metrics.outcome_recorder())
+        self.response_log = ResponseLog(flow)
         # Arrival and parse instants on each request, for tracing (off: not recorded).
         self.record_marks = False
         self.grpc_port = 0
@@ -391,6 +404,7 @@ class EppServer:
         self._grpc: grpc.aio.Server | None = None
         self._health: grpc.aio.Server | None = None
         self._health_servicer = health.aio.HealthServicer()
+        self._expiry: asyncio.Task[None] | None = None
         self.active_streams = 0
 
     async def process(
@@ -440,6 +454,7 @@ class EppServer:
         ]
         self._grpc = grpc.aio.server(options=options)
         px.add_ext_proc_service(self._grpc, self.process)
+        access_log.add_logs_service(self._grpc, self.response_log.on_records)
         health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._grpc)
         add_pool_eds(self._grpc, self.datastore)  # Envoy's view of the pool, for fallbacks
         bind = f"[{host}]" if ":" in host else host  # an IPv6 address such as ::
@@ -458,6 +473,12 @@ class EppServer:
         await self.set_serving(True)
         if metrics_port is not None:
             self.metrics_port = self.metrics.serve(metrics_port, host)
+        self._expiry = asyncio.create_task(self._expire_overdue())
+
+    async def _expire_overdue(self, interval_s: float = 30.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.response_log.expire()
 
     async def set_serving(self, serving: bool) -> None:
         """What every health service answers (NOT_SERVING: Envoy and kubelet stop sending)."""
@@ -469,6 +490,9 @@ class EppServer:
 
     async def stop(self, grace: float | None = 1.0) -> None:
         await self.set_serving(False)
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         servers = [s for s in (self._grpc, self._health) if s is not None]
         await asyncio.gather(*(s.stop(grace) for s in servers))
         self._grpc = self._health = None

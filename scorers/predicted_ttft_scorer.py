@@ -1,56 +1,49 @@
-"""predicted-ttft-scorer: estimate each pod's time to first token and prefer the smallest.
+"""predicted-ttft-scorer: predict each pod's time to first token from what it has learned,
+and pick the pod where a request costs the pool least.
 
-For each candidate pod:
+Per candidate pod:
 
-    ttft = overhead
-         + backlog / prefill_rate               queued prefill work ahead of the request
-         + uncached / prefill_rate              the prompt tokens the pod does not hold
-         + cpu_tier_tokens / cpu_tier_rate      held tokens that must come back from CPU
-         + running * step_cost                  decode batch sharing the prefill steps
-         + adapter penalty                      LoRA load, or waiting for a free slot
-         + KV-pressure penalty                  no free KV for the prompt: wait for one to end
-         + hot-spot penalty                     load far above the pool's mean
+    ttft = learned(tokens ahead + own uncached tokens,      scorers/ttft_model.py: per pod,
+                   attention pairs of that work,             c0 + c1 tokens + c2 pairs
+                   running requests)                         + c3 running, fitted online
+         + cpu_tier_tokens / cpuTierTokensPerSecond          held tokens back from CPU
+         + adapter load, or the wait for a free LoRA slot
+         + KV wait                                           no free KV for the prompt
 
-`uncached` comes from the KV index (tokens held at the pod's block size) and, with
-`routedPrefixSeconds` set, from the prompts this gateway sent the pod and has not seen
-answered: a request sharing a prefix then follows it even when the first one has waited
-in a queue longer than the index's speculative entries last. `backlog` is
-the larger of (a) the prefill work this gateway routed to the pod, draining at the pod's
-rate since, and (b) the pod's scraped waiting queue times the mean uncached prompt size.
-The prefill rate is learned per pod from observed TTFTs, but only from requests that
-met a short queue (the gateway's own routed work and the scraped waiting queue both
-small) and needed no adapter load: a TTFT that mostly measured queueing or a LoRA load
-says nothing about prefill speed, and learning it made busy pods look slow and idle pods
-look impossibly fast. The estimate is the median of a window of recent samples, held
-within `rateBand` x the prior (the pod's own hint, else `prefillTokensPerSecond`) until
-`rateTrustSamples` samples agree to within 2x; then it follows them. Decode time per token
-is a plain EWMA of (completion time - TTFT) / output tokens.
+`own uncached tokens` = prompt - tokens the pod holds (the KV index at the pod's block size;
+opt-in, prompts this gateway sent it and has not seen answered); its attention pairs are
+u * (held + u / 2), so a long uncached prompt costs more than linearly once the model has
+seen that it does. `tokens ahead` is the prefill this gateway has sent the pod and whose
+first token the model does not expect yet (each request draining over its own predicted
+prefill), or the pod's scraped waiting queue at the mean request size when that is larger.
+The queue wait is therefore the same learned cost applied to the work ahead, not a
+separate constant.
+
+Learning: each answered request teaches its pod's model (and the pool-wide model that new
+pods start from) its measured TTFT against the features recorded when it was sent; its
+cached tokens come from the response's `usage.prompt_tokens_details.cached_tokens` when
+present, else from the index's prediction. Requests that waited for an adapter load or
+for KV space are not learned from: those waits are separate terms.
+
+Ranking: cost = ttft + `congestionWeight` x queued requests x own prefill time. The
+second term is the prefill time this placement adds to the pod, valued at the requests it
+delays: those that will queue behind it there, about as many as are queued now. On an
+idle pod it is nothing and the request goes wherever it is answered first (its cached
+prefix, unless that pod is busy); on a busy pod a cache miss costs every request behind
+it, so a busy pool keeps misses off its busy pods instead of trading cache hits for a
+queue that is a little shorter (the spread -> fewer hits -> more work loop that a
+TTFT-only ranking falls into). Valuing it at the pool's mean queue instead, or not at
+all, was measured too (README, "Routing policies").
 
 vLLM always computes the prompt's last token, so a pod reuses at most
 (prompt - 1) // block_size full blocks, however much of the prompt it holds.
-
-When the pod has no free KV cache for the prompt (or no free LoRA slot), the request
-waits for running requests to finish: the wait grows with how many must finish, at
-about one completion per (mean decode time / running requests).
-
-The hot-spot term keeps one prefix shared by every request from piling all load onto the
-pod that cached it first (the cache-aware routers' balance rule, made gradual): past
-`hotspotRelativeThreshold` x the least-loaded candidate's load + `hotspotSlack`
-requests, each extra request costs `hotspotPenaltySeconds`, so the prefix spreads to
-other pods once the first one is clearly busier.
-
-Pods are ranked by cost = ttft + `congestionWeight` x queued requests x (own prefill time
-+ the KV-wait its uncached tokens cause when KV is short). With an empty queue that is the
-TTFT alone; with a long one, a cache miss delays every request behind it, so the pool
-keeps its prefixes where they are cached instead of trading them for a queue that is a
-few percent shorter, which past saturation loses the cache and the throughput with it.
 
 Score = min_cost / cost, so the best pod scores 1 and the plugin mixes with others.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -66,33 +59,39 @@ from ..framework.plugins import (
 from ..framework.registry import register_plugin
 from ..framework.types import Outcome, PodState
 from .lora_affinity_scorer import adapter_active, adapter_slot_free
+from .ttft_model import (
+    PAIR_UNIT,
+    TOKEN_UNIT,
+    Inflight,
+    PodQueue,
+    Prior,
+    Snapshot,
+    TTFTLearner,
+)
 
 SCRATCH_KEY = "predicted-ttft-scorer"
+MAX_PENDING = 200_000  # requests awaiting their response; oldest dropped beyond this
 
 
 class PredictedTTFTParams(PluginParams):
+    # Priors of the learned model, used until a pod has answered (then it follows its
+    # answers): 10k tokens/s is a mid-range GPU's prefill for an 8B model; set it to your
+    # model's measured throughput. Attention cost starts unknown (0) and is learned.
     prefillTokensPerSecond: float = Field(default=10_000.0, gt=0)
-    decodeSecondsPerToken: float = Field(default=0.02, gt=0)
+    prefillAttentionSecondsPerTokenPair: float = Field(default=0.0, ge=0)
     overheadSeconds: float = Field(default=0.005, ge=0)
     runningRequestStepSeconds: float = Field(default=0.0005, ge=0)
+    # Weight of the previous fit per new sample: 0.97 remembers about the last 30 answers.
+    forgetting: float = Field(default=0.97, gt=0.5, le=1)
+    decodeSecondsPerToken: float = Field(default=0.02, gt=0)
     cpuTierTokensPerSecond: float = Field(default=100_000.0, gt=0)
     adapterLoadSeconds: float = Field(default=0.05, ge=0)
     meanPromptTokens: float = Field(default=1024.0, gt=0)
     meanOutputTokens: float = Field(default=256.0, gt=0)
     kvFullUsage: float = Field(default=0.98, gt=0, le=1)
-    hotspotRelativeThreshold: float = Field(default=1.5, ge=1)
-    hotspotSlack: float = Field(default=8.0, ge=0)
-    hotspotPenaltySeconds: float = Field(default=0.1, ge=0)
     learningRate: float = Field(default=0.2, gt=0, le=1)
-    minSampleTokens: int = Field(default=256, ge=1)
-    # A TTFT sample teaches the prefill rate only when the queue ahead of the request was
-    # at most this many times its own uncached tokens.
-    learnMaxQueueRatio: float = Field(default=0.5, ge=0)
-    rateWindow: int = Field(default=32, ge=1)
-    rateBand: float = Field(default=4.0, ge=1)
-    rateTrustSamples: int = Field(default=5, ge=1)
-    # Weight of the delay a request's own prefill imposes on the requests queued behind
-    # it, added to its predicted TTFT when ranking pods (0: rank by TTFT alone).
+    # Weight of the prefill time a placement adds to the pool, per request queued in it
+    # (0: rank by the request's own TTFT alone).
     congestionWeight: float = Field(default=1.0, ge=0)
     # Prompt prefixes this gateway routed count as held by that pod until answered (at
     # most this long), so requests sharing a prefix follow it even when it waits in a
@@ -106,21 +105,20 @@ class PredictedTTFTParams(PluginParams):
 
 @dataclass(slots=True)
 class PodModel:
-    """What has been learned about one pod."""
+    """What the scorer tracks per pod besides the learned TTFT model."""
 
-    prefill_tok_per_s: float | None = None
-    rate_samples: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    queue: PodQueue = field(default_factory=PodQueue)
     decode_s_per_token: float | None = None
-    prior_tok_per_s: float | None = None  # the pod's hint when first seen
-    backlog_tokens: float = 0.0  # routed prefill work, as of `backlog_at`
-    backlog_at: float = 0.0
     # When this gateway's requests to the pod ended: a scrape taken before that still
     # counts them, so they are taken off its queue.
     finished_at: deque[float] = field(default_factory=lambda: deque(maxlen=256))
 
     def finished_since(self, t: float) -> int:
+        finished = self.finished_at
+        if not finished or finished[-1] <= t:
+            return 0
         n = 0
-        for done in reversed(self.finished_at):
+        for done in reversed(finished):
             if done <= t:
                 break
             n += 1
@@ -130,20 +128,22 @@ class PodModel:
 @dataclass(slots=True)
 class Routed:
     address: str
-    work_tokens: float  # backlog + uncached at routing time
+    ahead: Snapshot  # the learner's features at dispatch
+    hit_tokens: float  # cached tokens the index predicted
     routed_at: float
-    step_s: float = 0.0  # decode-batch share of the predicted wait
-    learnable: bool = True  # short queue ahead and no adapter load: a clean prefill sample
+    learnable: bool = True  # no adapter load or KV wait: the model explains its TTFT
     chunk_keys: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class Prediction:
     ttft_s: list[float]
-    cost_s: list[float]  # ttft_s plus the delay imposed on requests queued behind
-    uncached: list[float]
-    work: list[float]
-    step_s: list[float]
+    cost_s: list[float]
+    hit_tokens: list[float]
+    # Per pod, as plain tuples (objects are built for the chosen pod only): the request's
+    # own prefill (tokens, pairs, prefill_s) and what is ahead (tokens, pairs, running).
+    own: list[tuple[float, float, float]]
+    ahead: list[tuple[float, float, float]]
     learnable: list[bool]
     chunk_keys: list[int]
 
@@ -247,18 +247,6 @@ def reusable_tokens(prompt_tokens: int, held_blocks: int, block_size: int) -> in
     return min(held_blocks, (prompt_tokens - 1) // block_size) * block_size
 
 
-def robust_rate(samples: Sequence[float], prior: float, band: float, trust_after: int) -> float:
-    """The median of recent prefill-rate samples, held within `band` x `prior` until at
-    least `trust_after` samples agree (interquartile ratio within 2x)."""
-    ordered = sorted(samples)
-    n = len(ordered)
-    mid = n // 2
-    median = ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-    if n >= trust_after and ordered[(3 * n) // 4 if n > 1 else 0] <= 2.0 * ordered[n // 4]:
-        return median
-    return min(prior * band, max(prior / band, median))
-
-
 @register_plugin()
 class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook):
     type_name = "predicted-ttft-scorer"
@@ -270,23 +258,21 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook):
     def __init__(self, name: str, params: PredictedTTFTParams) -> None:
         super().__init__(name, params)
         self.pods: dict[str, PodModel] = {}
+        self.learner = TTFTLearner(
+            Prior.from_rates(
+                params.overheadSeconds,
+                params.prefillTokensPerSecond,
+                params.prefillAttentionSecondsPerTokenPair,
+                params.runningRequestStepSeconds,
+            ),
+            params.forgetting,
+        )
+        self._pending: OrderedDict[str, Routed] = OrderedDict()
         self.mean_uncached_tokens = params.meanPromptTokens
+        self.mean_uncached_pairs = 0.5 * params.meanPromptTokens**2
         self.mean_prompt_tokens = params.meanPromptTokens
         self.mean_output_tokens = params.meanOutputTokens
         self.routed_prefixes = RoutedPrefixes(params.routedPrefixSeconds)
-
-    # ------------------------------------------------------------------ model
-
-    def prior_rate(self, pod: PodState) -> float:
-        """The prefill rate to assume before learning: the pod's own hint, else the
-        configured rate."""
-        return pod.prefill_tok_per_s or self.params.prefillTokensPerSecond
-
-    def prefill_rate(self, pod: PodState) -> float:
-        model = self.pods.get(pod.address)
-        if model is not None and model.prefill_tok_per_s is not None:
-            return model.prefill_tok_per_s
-        return self.prior_rate(pod)
 
     def decode_s_per_token(self, address: str) -> float:
         model = self.pods.get(address)
@@ -294,66 +280,49 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook):
             return model.decode_s_per_token
         return self.params.decodeSecondsPerToken
 
-    def routed_backlog(self, address: str, rate: float, now: float) -> float:
-        model = self.pods.get(address)
-        if model is None or model.backlog_tokens <= 0:
-            return 0.0
-        return max(0.0, model.backlog_tokens - rate * (now - model.backlog_at))
-
     def predict(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> Prediction:
         # One tight loop per pod with parameters hoisted into locals: this runs for every
         # candidate of every request (256 pods must stay well under a millisecond).
         p = self.params
         now = ctx.now
         prompt = float(ctx.prompt_tokens)
+        prompt_len = ctx.prompt_tokens
         adapter = ctx.request.adapter
         hits = ctx.prefix_hits or {}
         block_sizes = ctx.block_sizes
         models = self.pods
+        learner = self.learner
         stale_after = p.staleAfterSeconds
-        default_rate = p.prefillTokensPerSecond
         default_tpot = p.decodeSecondsPerToken
-        step_s = p.runningRequestStepSeconds
         cpu_rate = p.cpuTierTokensPerSecond
         kv_full = p.kvFullUsage
         half_output = 0.5 * self.mean_output_tokens
         mean_output = self.mean_output_tokens
-        mean_uncached = self.mean_uncached_tokens
+        mean_tokens = self.mean_uncached_tokens
+        mean_pairs = self.mean_uncached_pairs
         request_kv_tokens = self.mean_prompt_tokens + mean_output
-        learn_ratio = p.learnMaxQueueRatio
-        prompt_len = ctx.prompt_tokens
         explain = ctx.components if ctx.explain else None
         chunk = p.routedPrefixChunkTokens
         keys = chunk_keys(ctx.token_ids, chunk) if p.routedPrefixSeconds > 0 else []
         routed_runs = self.routed_prefixes.matched_chunks(keys, now) if keys else {}
 
-        fresh: list[bool] = []
-        loads: list[int] = []
-        for pod in pods:
-            m = pod.metrics
-            ok = m.scraped_at == 0.0 or now - m.scraped_at <= stale_after
-            fresh.append(ok)
-            inflight = pod.inflight.requests
-            loads.append(max(m.running + m.waiting, inflight) if ok else inflight)
-        hot_limit = p.hotspotRelativeThreshold * min(loads) + p.hotspotSlack
-        hot_penalty = p.hotspotPenaltySeconds
-
-        congestion = p.congestionWeight
         ttfts: list[float] = []
-        costs: list[float] = []
-        uncached_list: list[float] = []
-        work_list: list[float] = []
-        step_list: list[float] = []
+        own_s: list[float] = []
+        queued_list: list[float] = []
+        hit_list: list[float] = []
+        own_list: list[tuple[float, float, float]] = []
+        ahead_list: list[tuple[float, float, float]] = []
+        pod_fits = learner.pods
+        own_after = learner.own_after
+        pool_c = learner.pool.c
         learnable_list: list[bool] = []
-        for pod, ok, load in zip(pods, fresh, loads, strict=True):
+        for pod in pods:
             address = pod.endpoint.address
             m = pod.metrics
+            ok = m.scraped_at == 0.0 or now - m.scraped_at <= stale_after
             model = models.get(address)
-            rate = (
-                model.prefill_tok_per_s
-                if model is not None and model.prefill_tok_per_s is not None
-                else pod.prefill_tok_per_s or default_rate
-            )
+            fit = pod_fits.get(address)
+            c0, c1, c2, c3 = fit.c if fit is not None and fit.samples >= own_after else pool_c
             hit_tokens = 0.0
             cpu_s = 0.0
             held = hits.get(address)
@@ -373,31 +342,43 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook):
                     hit_tokens = routed_tokens
                     cpu_s = 0.0
             uncached = prompt - hit_tokens
-            backlog = 0.0
-            if model is not None and model.backlog_tokens > 0:
-                backlog = max(0.0, model.backlog_tokens - rate * (now - model.backlog_at))
+            pairs = uncached * (hit_tokens + 0.5 * uncached)
             waiting = 0
             if ok and m.waiting:
                 waiting = m.waiting
                 if model is not None and m.scraped_at > 0.0:
+                    # Requests that ended after the scrape had left the queue by then.
                     waiting = max(0, waiting - model.finished_since(m.scraped_at))
-                backlog = max(backlog, waiting * mean_uncached)
+            if model is not None and model.queue.items:
+                tokens_ahead, pairs_ahead, queued, others = model.queue.ahead(
+                    now, waiting if ok and m.scraped_at > 0.0 else None, m.scraped_at
+                )
+            else:
+                tokens_ahead = pairs_ahead = 0.0
+                queued = 0
+                others = waiting
+            if others > 0:
+                # Waiting requests this gateway did not send: at the mean request's size.
+                tokens_ahead += others * mean_tokens
+                pairs_ahead += others * mean_pairs
+                queued += others
             # Between scrapes the gateway's own sends are the freshest count of the batch.
-            running = max(m.running, pod.inflight.requests - m.waiting) if ok else load
-            run_s = running * step_s
-            wait_s = backlog / rate + run_s
-            prefill_s = uncached / rate + cpu_s
+            inflight = pod.inflight.requests
+            running = float(max(m.running, inflight - m.waiting) if ok else inflight)
+            prefill_s = c1 * uncached / TOKEN_UNIT + c2 * pairs / PAIR_UNIT
+            wait_s = (
+                c0 + c1 * tokens_ahead / TOKEN_UNIT + c2 * pairs_ahead / PAIR_UNIT + c3 * running
+            )
             adapter_s = 0.0
             kv_s = 0.0
             needs_slot = adapter is not None and not adapter_active(pod, adapter)
             kv_tight = False
-            kv_s_per_token = 0.0
             deficit = 0.0
             if ok:
                 block_size = block_sizes.get(address)
                 if m.num_gpu_blocks and block_size:
                     free_tokens = (1.0 - m.kv_usage) * m.num_gpu_blocks * block_size
-                    deficit = uncached + backlog - free_tokens
+                    deficit = uncached + tokens_ahead - free_tokens
                     kv_tight = deficit > 0
                 else:
                     kv_tight = m.kv_usage >= kv_full
@@ -417,38 +398,34 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook):
                     # Space frees as running requests end, about one per (mean decode
                     # time / running requests), each returning a mean request's KV.
                     finishing = max(1.0, deficit / request_kv_tokens)
-                    kv_s_per_token = mean_output * tpot / (max(1, running) * request_kv_tokens)
-                    kv_s = finishing * kv_s_per_token * request_kv_tokens
-            hot_s = (load - hot_limit) * hot_penalty if load > hot_limit else 0.0
-            ttft = p.overheadSeconds + wait_s + prefill_s + adapter_s + kv_s + hot_s
-            queued = max(waiting, pod.inflight.requests - m.running) if ok else load
-            # The requests behind wait for this one's prefill and, when KV is what they
-            # queue for, for the KV its uncached tokens hold until it ends.
-            congestion_s = (
-                congestion * queued * (prefill_s + uncached * kv_s_per_token) if queued > 0 else 0.0
-            )
+                    kv_s = finishing * mean_output * tpot / max(1.0, running)
+            ttft = wait_s + prefill_s + cpu_s + adapter_s + kv_s
             ttfts.append(ttft)
-            costs.append(ttft + congestion_s)
-            uncached_list.append(uncached)
-            work_list.append(backlog + uncached)
-            step_list.append(run_s)
-            learnable_list.append(
-                not needs_slot and not kv_tight and backlog <= learn_ratio * uncached
-            )
+            own_s.append(prefill_s + cpu_s)
+            queued_list.append(float(queued))
+            hit_list.append(hit_tokens)
+            own_list.append((uncached, pairs, prefill_s))
+            ahead_list.append((tokens_ahead, pairs_ahead, running))
+            learnable_list.append(not needs_slot and not kv_tight)
             if explain is not None:
                 explain.setdefault(address, {}).update(
                     wait_s=wait_s,
                     prefill_s=prefill_s,
+                    cpu_s=cpu_s,
                     adapter_s=adapter_s,
                     kv_s=kv_s,
-                    hot_s=hot_s,
-                    congestion_s=congestion_s,
                     ttft_s=ttft,
                     hit_tokens=hit_tokens,
+                    queued=float(queued),
                 )
-        prediction = Prediction(
-            ttfts, costs, uncached_list, work_list, step_list, learnable_list, keys
-        )
+        # The prefill a placement adds delays the requests that queue behind it there:
+        # about as many as are queued now (Little's law at a steady arrival rate).
+        weight = p.congestionWeight
+        costs = [t + weight * q * o for t, o, q in zip(ttfts, own_s, queued_list, strict=True)]
+        if explain is not None:
+            for pod, t, cost in zip(pods, ttfts, costs, strict=True):
+                explain[pod.endpoint.address]["congestion_s"] = cost - t
+        prediction = Prediction(ttfts, costs, hit_list, own_list, ahead_list, learnable_list, keys)
         ctx.scratch[SCRATCH_KEY] = (pods, prediction)
         return prediction
 
@@ -461,12 +438,6 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook):
 
     # ------------------------------------------------------------------ learning
 
-    def _new_model(self, pod: PodState | None) -> PodModel:
-        model = PodModel(rate_samples=deque(maxlen=self.params.rateWindow))
-        if pod is not None:
-            model.prior_tok_per_s = self.prior_rate(pod)
-        return model
-
     def on_routed(self, ctx: SchedulingContext, chosen: PodState) -> None:
         stashed = ctx.scratch.get(SCRATCH_KEY)
         if stashed is None:
@@ -477,61 +448,71 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook):
         except StopIteration:
             return
         address = chosen.address
-        rate = self.prefill_rate(chosen)
         model = self.pods.get(address)
         if model is None:
-            model = self.pods[address] = self._new_model(chosen)
-        model.backlog_tokens = self.routed_backlog(address, rate, ctx.now) + prediction.uncached[i]
-        model.backlog_at = ctx.now
+            model = self.pods[address] = PodModel()
+        request_id = ctx.request.request_id
+        tokens, pairs, prefill_s = prediction.own[i]
+        now = ctx.now
+        model.queue.items[request_id] = Inflight(
+            tokens, pairs, now, max(prefill_s, 1e-6), now + prediction.ttft_s[i]
+        )
         self.routed_prefixes.add(prediction.chunk_keys, address, ctx.now)
         alpha = self.params.learningRate
-        self.mean_uncached_tokens = _ewma(
-            self.mean_uncached_tokens, max(1.0, prediction.uncached[i]), alpha
-        )
+        self.mean_uncached_tokens = _ewma(self.mean_uncached_tokens, max(1.0, tokens), alpha)
+        self.mean_uncached_pairs = _ewma(self.mean_uncached_pairs, pairs, alpha)
         self.mean_prompt_tokens = _ewma(self.mean_prompt_tokens, float(ctx.prompt_tokens), alpha)
-        ctx.kept[SCRATCH_KEY] = Routed(
+        self._pending[request_id] = Routed(
             address,
-            prediction.work[i],
+            Snapshot(*prediction.ahead[i]),
+            prediction.hit_tokens[i],
             ctx.now,
-            step_s=prediction.step_s[i],
             learnable=prediction.learnable[i],
             chunk_keys=prediction.chunk_keys,
         )
+        while len(self._pending) > MAX_PENDING:
+            old_id, old = self._pending.popitem(last=False)
+            old_model = self.pods.get(old.address)
+            if old_model is not None:
+                old_model.queue.items.pop(old_id, None)
 
     def on_outcome(self, ctx: SchedulingContext, outcome: Outcome) -> None:
-        routed = ctx.kept.pop(SCRATCH_KEY, None)
-        address = outcome.address
-        if not isinstance(routed, Routed) or routed.address != address:
+        address, usage, ttft_s, ok, now = (
+            outcome.address, outcome.usage, outcome.ttft_s, outcome.ok, outcome.now
+        )  # fmt: skip
+        routed = self._pending.pop(ctx.request.request_id, None)
+        if routed is None or routed.address != address:
             return
-        usage, ttft_s, ok, now = outcome.usage, outcome.ttft_s, outcome.ok, outcome.now
         self.routed_prefixes.release(routed.chunk_keys, address)
-        p = self.params
         model = self.pods.get(address)
         if model is None:
-            model = self.pods[address] = self._new_model(None)
+            model = self.pods[address] = PodModel()
+        model.queue.items.pop(ctx.request.request_id, None)
         model.finished_at.append(now)
         if not ok:
             return
-        if ttft_s is not None and routed.learnable and routed.work_tokens >= p.minSampleTokens:
-            service_s = ttft_s - p.overheadSeconds - routed.step_s
-            if service_s > 0:
-                prior = model.prior_tok_per_s or p.prefillTokensPerSecond
-                # Even a trusted estimate stays within 100x the prior: a pause or a
-                # preemption must not make a pod look idle or dead.
-                sample = min(prior * 100, max(prior / 100, routed.work_tokens / service_s))
-                model.rate_samples.append(sample)
-                model.prefill_tok_per_s = robust_rate(
-                    model.rate_samples, prior, p.rateBand, p.rateTrustSamples
-                )
+        prompt_tokens = usage.prompt_tokens if usage is not None and usage.prompt_tokens else 0
+        if ttft_s is not None and routed.learnable:
+            cached = (
+                usage.cached_tokens
+                if usage is not None and usage.cached_tokens is not None
+                else int(routed.hit_tokens)
+            )
+            self.observe(address, ttft_s, prompt_tokens or ctx.prompt_tokens, cached, routed.ahead)
         if usage is not None and usage.completion_tokens > 0:
+            alpha = self.params.learningRate
             self.mean_output_tokens = _ewma(
-                self.mean_output_tokens, float(usage.completion_tokens), p.learningRate
+                self.mean_output_tokens, float(usage.completion_tokens), alpha
             )
             if ttft_s is not None:
                 decode_s = (now - routed.routed_at) - ttft_s
                 if decode_s > 0:
                     model.decode_s_per_token = _ewma(
-                        model.decode_s_per_token,
-                        decode_s / usage.completion_tokens,
-                        p.learningRate,
+                        model.decode_s_per_token, decode_s / usage.completion_tokens, alpha
                     )
+
+    def observe(
+        self, address: str, ttft_s: float, prompt_tokens: int, cached_tokens: int, ahead: Snapshot
+    ) -> None:
+        """One measured TTFT for the learner: plain values, whatever path they came from."""
+        self.learner.observe(address, ttft_s, prompt_tokens, cached_tokens, ahead)

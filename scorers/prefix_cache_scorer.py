@@ -1,64 +1,95 @@
 """prefix-cache-scorer: approximate prefix affinity from this gateway's routing history.
 
-The Inference Extension's scheme: the prompt text is cut into `blockSize`-character
-blocks (at most `maxPrefixBlocksToMatch`), each hashed with xxhash64 chained to the
-previous block's hash, the chain seeded with the hash of the model name. Every routed
-request adds its blocks to its pod's LRU (`lruCapacityPerServer` blocks per pod). A pod
-scores the fraction of the prompt's blocks it holds as a consecutive run from the start.
-It needs no KV events, and is only as good as the assumption that a pod still holds what
-was last sent to it.
+The Inference Extension's / llm-d's approximate prefix plugin (llm-d-router
+`approximateprefix`, 2026): with no tokenizer, a token is taken to be
+`averageCharactersPerToken` = 4 characters, so a block of `blockSizeTokens` (default 16,
+vLLM's block size) is 64 bytes of the prompt. With `autoTune` (the default) the block size
+follows the pods' reported KV block size and each pod's LRU holds as many entries as the
+pod has KV blocks. The prompt bytes (completion text, or the chat messages as JSON) are
+truncated to `maxPrefixBlocksToMatch` blocks (or `maxPrefixTokensToMatch` tokens) and cut
+into blocks, a last partial block included; each is hashed with xxhash64 chained to the
+previous hash, the chain seeded with the hash of the model name and cache salt. Every
+routed request adds its hashes to its pod's LRU (`lruCapacityPerServer` entries). A pod
+scores its leading run of matching blocks over the prompt's block count.
+
+Token-id prompts: upstream hashes the prompt's text, and a completions prompt given as
+token ids has none (its plain text is empty, so the plugin abstains). In replays token ids
+stand for the text a client would send, so each id is hashed as 4 bytes: the plugin's own
+characters-per-token assumption, which keeps its blocks aligned to whole tokens.
+The legacy `blockSize` (characters) is still accepted.
 """
 
 from __future__ import annotations
 
+import json
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import xxhash
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from ..framework.plugins import PluginParams, RoutingHook, SchedulingContext, Scorer
 from ..framework.registry import register_plugin
 from ..framework.types import LLMRequest, PodState
 
 SCRATCH_KEY = "prefix-cache-scorer.hashes"
-AUTO_TUNE_REFUSED = (
-    "autoTune (sizing blocks and the LRU from the pods' cache metrics) is not implemented; "
-    "set blockSize and lruCapacityPerServer instead"
-)
+AVERAGE_CHARACTERS_PER_TOKEN = 4  # upstream's averageCharactersPerToken
 
 
 class PrefixCacheParams(PluginParams):
-    blockSize: int = Field(default=64, gt=0)
-    hashBlockSize: int | None = Field(default=None, gt=0)
+    autoTune: bool = True
+    blockSizeTokens: int = Field(default=16, gt=0)
+    blockSize: int | None = Field(default=None, gt=0)  # legacy: characters per block
+    hashBlockSize: int | None = Field(default=None, gt=0)  # older name of blockSize
     maxPrefixBlocksToMatch: int = Field(default=256, gt=0)
+    maxPrefixTokensToMatch: int = Field(default=0, ge=0)
     lruCapacityPerServer: int = Field(default=31250, gt=0)
-    autoTune: bool = False
     # The producer whose matches this scorer scores (llm-d); the loader builds the scorer
     # that matches that producer's kind (approximate here, or precise from KV events).
     prefixMatchInfoProducerName: str | None = None
 
-    @model_validator(mode="after")
-    def _no_auto_tune(self) -> PrefixCacheParams:
-        if self.autoTune:
-            raise ValueError(AUTO_TUNE_REFUSED)
-        return self
+    def block_chars(self, pod_block_size: int | None) -> int:
+        if self.autoTune and pod_block_size:
+            return pod_block_size * AVERAGE_CHARACTERS_PER_TOKEN
+        if "blockSizeTokens" not in self.model_fields_set:
+            legacy = self.blockSize or self.hashBlockSize
+            if legacy is not None:
+                return legacy
+        return self.blockSizeTokens * AVERAGE_CHARACTERS_PER_TOKEN
 
-    @model_validator(mode="after")
-    def _older_name(self) -> PrefixCacheParams:
-        if self.hashBlockSize is not None and "blockSize" not in self.model_fields_set:
-            object.__setattr__(self, "blockSize", self.hashBlockSize)
-        return self
+    def max_blocks(self, block_chars: int) -> int:
+        if self.maxPrefixTokensToMatch > 0:
+            tokens_per_block = max(1, block_chars // AVERAGE_CHARACTERS_PER_TOKEN)
+            return max(1, self.maxPrefixTokensToMatch // tokens_per_block)
+        return self.maxPrefixBlocksToMatch
+
+
+def prompt_bytes(request: LLMRequest) -> bytes:
+    """What upstream hashes: the completion text, or the chat messages as JSON; token ids
+    at 4 bytes each (see the module doc)."""
+    if request.prompt is not None:
+        return request.prompt.encode()
+    if request.messages is not None:
+        return json.dumps(request.messages, separators=(",", ":"), ensure_ascii=False).encode()
+    if request.prompt_token_ids is not None:
+        ids = request.prompt_token_ids
+        return struct.pack(f"<{len(ids)}I", *(t & 0xFFFFFFFF for t in ids))
+    return request.text_for_hashing().encode()
 
 
 def prompt_block_hashes(request: LLMRequest, block_chars: int, max_blocks: int) -> list[int]:
-    text = request.text_for_hashing().encode()
-    usable = min(len(text) // block_chars, max_blocks) * block_chars
-    prev = xxhash.xxh64_intdigest(request.model.encode())
+    data = prompt_bytes(request)
+    if len(data) < block_chars:
+        return []
+    data = data[: max_blocks * block_chars]
+    seed = request.model + (request.cache_salt or "")
+    prev = xxhash.xxh64_intdigest(seed.encode())
     out: list[int] = []
-    for start in range(0, usable, block_chars):
+    for start in range(0, len(data), block_chars):
+        # The last block may be partial: it is hashed too.
         prev = xxhash.xxh64_intdigest(
-            text[start : start + block_chars] + prev.to_bytes(8, "little")
+            data[start : start + block_chars] + prev.to_bytes(8, "little")
         )
         out.append(prev)
     return out
@@ -75,12 +106,13 @@ class PrefixCacheScorer(Scorer, RoutingHook):
         self._pods_of_block: dict[int, set[str]] = {}
         self._lru_of_pod: dict[str, OrderedDict[int, None]] = {}
 
-    def _hashes(self, ctx: SchedulingContext) -> list[int]:
+    def _hashes(self, ctx: SchedulingContext, pods: Sequence[PodState] = ()) -> list[int]:
         hashes = ctx.scratch.get(SCRATCH_KEY)
         if hashes is None:
-            hashes = prompt_block_hashes(
-                ctx.request, self.params.blockSize, self.params.maxPrefixBlocksToMatch
-            )
+            # One pool, one configuration: the first pod's block size speaks for all.
+            pod_block = next((p.metrics.block_size for p in pods if p.metrics.block_size), None)
+            chars = self.params.block_chars(pod_block)
+            hashes = prompt_block_hashes(ctx.request, chars, self.params.max_blocks(chars))
             ctx.scratch[SCRATCH_KEY] = hashes
         return hashes
 
@@ -99,7 +131,7 @@ class PrefixCacheScorer(Scorer, RoutingHook):
         return matched
 
     def score(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[float]:
-        hashes = self._hashes(ctx)
+        hashes = self._hashes(ctx, pods)
         if not hashes:
             return [0.0] * len(pods)
         matched = self.matched_blocks(hashes, {p.address for p in pods})
@@ -109,13 +141,16 @@ class PrefixCacheScorer(Scorer, RoutingHook):
     def on_routed(self, ctx: SchedulingContext, chosen: PodState) -> None:
         address = chosen.address
         lru = self._lru_of_pod.setdefault(address, OrderedDict())
-        for h in self._hashes(ctx):
+        for h in self._hashes(ctx, [chosen]):
             if h in lru:
                 lru.move_to_end(h)
                 continue
             lru[h] = None
             self._pods_of_block.setdefault(h, set()).add(address)
-        while len(lru) > self.params.lruCapacityPerServer:
+        capacity = self.params.lruCapacityPerServer
+        if self.params.autoTune and chosen.metrics.num_gpu_blocks:
+            capacity = chosen.metrics.num_gpu_blocks
+        while len(lru) > capacity:
             old, _ = lru.popitem(last=False)
             holders = self._pods_of_block.get(old)
             if holders is not None:

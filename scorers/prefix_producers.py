@@ -8,7 +8,8 @@ work directly when the config is loaded:
   a `precise-prefix-cache-scorer` using smart-epp's KV index, with the producer's block
   size as the fallback block size;
 - `approx-prefix-cache-producer` (matches from the prompts routed to each pod) -> the
-  approximate `prefix-cache-scorer` with the producer's block size, match cap and LRU size.
+  approximate `prefix-cache-scorer` with the producer's parameters (block size, auto-tune,
+  match caps, LRU size), the scorer's own parameters taking precedence.
 
 The producers themselves do nothing at request time; `token-producer` (tokenization for
 the precise path) is in `local_tokenizer.py`.
@@ -18,12 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..framework.plugins import Plugin, PluginParams
 from ..framework.registry import register_plugin
 from .precise_prefix_cache_scorer import INDEX_NOTES
-from .prefix_cache_scorer import AUTO_TUNE_REFUSED
+from .prefix_cache_scorer import PrefixCacheParams
 
 
 class _TokenProcessorConfig(BaseModel):
@@ -56,40 +57,12 @@ class PrecisePrefixCacheProducer(Plugin):
     params: PrecisePrefixProducerParams
 
 
-# The approximate scorer hashes characters; llm-d's producer counts tokens, estimated at
-# four characters each (the same estimate its metrics use).
-CHARS_PER_TOKEN = 4
-
-
-class ApproxPrefixProducerParams(PluginParams):
-    blockSizeTokens: int = Field(default=16, gt=0)
-    blockSize: int | None = Field(default=None, gt=0)  # characters (older name)
-    maxPrefixTokensToMatch: int | None = Field(default=None, ge=0)
-    maxPrefixBlocksToMatch: int | None = Field(default=None, ge=0)
-    lruCapacityPerServer: int = Field(default=31250, gt=0)
-    autoTune: bool = False
-
-    @model_validator(mode="after")
-    def _no_auto_tune(self) -> ApproxPrefixProducerParams:
-        if self.autoTune:
-            raise ValueError(AUTO_TUNE_REFUSED)
-        return self
+class ApproxPrefixProducerParams(PrefixCacheParams):
+    """llm-d's approximate producer takes the approximate scorer's parameters."""
 
     def scorer_parameters(self) -> dict[str, Any]:
-        """The equivalent parameters of the approximate `prefix-cache-scorer`."""
-        block_chars = self.blockSize or self.blockSizeTokens * CHARS_PER_TOKEN
-        if self.maxPrefixTokensToMatch:
-            max_blocks = max(1, self.maxPrefixTokensToMatch // self.blockSizeTokens)
-        elif self.maxPrefixBlocksToMatch:
-            max_blocks = self.maxPrefixBlocksToMatch
-        else:
-            max_blocks = 131072 // self.blockSizeTokens
-        return {
-            "blockSize": block_chars,
-            "maxPrefixBlocksToMatch": max_blocks,
-            "lruCapacityPerServer": self.lruCapacityPerServer,
-            "autoTune": self.autoTune,
-        }
+        """The parameters set here, for the `prefix-cache-scorer` this producer feeds."""
+        return self.model_dump(exclude_unset=True)
 
 
 @register_plugin()

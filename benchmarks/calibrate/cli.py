@@ -7,17 +7,16 @@ import asyncio
 import datetime
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..sim.profiles import LatencyProfile
-from .fit import Fit, fit
-from .measure import Plan, make_plan, measure
-from .probe import PodInfo, Probe, ProbeError
+if TYPE_CHECKING:
+    from ..sim.profiles import LatencyProfile
+    from .fit import Fit
+    from .measure import Plan
+    from .probe import PodInfo
 
 
 def register(subparsers: Any) -> None:
@@ -42,6 +41,12 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: every `epp` command builds this parser, and numpy/scipy/aiohttp are
+    # slow to import; only calibration needs them.
+    import aiohttp
+
+    from .probe import ProbeError
+
     console = Console(stderr=True)
     for flag in ("max_num_batched_tokens", "max_num_seqs", "repeats"):
         if getattr(args, flag) < 1:
@@ -63,6 +68,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def calibrate(args: argparse.Namespace, console: Console) -> tuple[LatencyProfile, Fit]:
+    import aiohttp
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from ..sim.profiles import LatencyProfile
+    from .fit import fit
+    from .measure import make_plan, measure
+    from .probe import Probe
+
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         probe = Probe(session, args.target, args.model)

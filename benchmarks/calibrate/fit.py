@@ -1,8 +1,10 @@
 """Fitting a latency profile's step-cost coefficients to measured timings. Pure, no I/O.
 
-Every measurement is one linear equation in the five coefficients of the profile schema:
-its features are how many times it pays each cost (steps, prompt tokens, attention pairs,
-decoding sequences, context tokens read), its value the seconds it took. The fit is
+Every measurement is one linear equation in the six step-cost coefficients of the profile
+schema: its features are how many times it pays each cost (steps, prompt tokens, attention
+pairs, decoding sequences, context tokens read, new requests), its value the seconds it
+took. A time to first token pays the per-request cost once; a decode step never does, which
+is what separates it from the per-step overhead. The fit is
 non-negative least squares on relative error (each equation divided by its measured
 value), so a 10 ms prompt weighs as much as a 1 s one.
 """
@@ -24,6 +26,7 @@ COEFFICIENTS = (
     "prefill_attention_s_per_token_pair",
     "decode_s_per_seq",
     "decode_kv_read_s_per_token",
+    "prefill_s_per_request",
 )
 
 
@@ -32,7 +35,7 @@ class Sample:
     """One measured timing and what it paid for, in the order of ``COEFFICIENTS``."""
 
     group: str
-    features: tuple[float, float, float, float, float]
+    features: tuple[float, float, float, float, float, float]
     seconds: float
 
 
@@ -47,12 +50,12 @@ def prefill_sample(
         done += n
         left -= n
         steps += 1
-    return Sample(group, (float(steps), float(new_tokens), pairs, 0.0, 0.0), seconds)
+    return Sample(group, (float(steps), float(new_tokens), pairs, 0.0, 0.0, 1.0), seconds)
 
 
 def decode_sample(batch: int, context_tokens: float, seconds: float) -> Sample:
     """One decode step of ``batch`` sequences reading ``context_tokens`` in all."""
-    return Sample("decode", (1.0, 0.0, 0.0, float(batch), context_tokens), seconds)
+    return Sample("decode", (1.0, 0.0, 0.0, float(batch), context_tokens, 0.0), seconds)
 
 
 @dataclass(frozen=True, slots=True)

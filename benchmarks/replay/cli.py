@@ -14,7 +14,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..sim.profiles import DEFAULT_PROFILE, PROFILES, ProfileError, get_profile
+from ..sim.profiles import (
+    DEFAULT_PROFILE,
+    ProfileError,
+    builtin_names,
+    get_profile,
+)
 from ..sim.routing_latency import DEFAULT_ROUTING_LATENCY_S
 from .arrivals import (
     Stage,
@@ -68,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--profile",
         default=DEFAULT_PROFILE,
         metavar="NAME|FILE",
-        help=f"latency profile of the simulated pods: {', '.join(PROFILES)}, or a profile "
+        help=f"latency profile of the simulated pods: {', '.join(builtin_names())}, or a profile "
         "YAML file (default: %(default)s)",
     )
     p.add_argument(

@@ -1,6 +1,7 @@
 """Discrete-event replay in virtual time: N simulated vLLM engines behind one router.
 
-The router is any `Scheduler` (smart-epp's real one, a peer policy, or the oracle), driven
+The router is any `Scheduler` (smart-epp's real one, a peer policy, or the full-information
+reference), driven
 through the gateway's own `RequestFlow` on the simulation's virtual clock: candidates,
 in-flight accounting, the routed and outcome hooks are production code. It learns about
 the pods only the way a gateway does in production:
@@ -8,7 +9,7 @@ the pods only the way a gateway does in production:
   simulator and decoded by smart-epp's real decoder, delivered `kv_event_delay_s` later;
 - from metrics snapshots taken every `scrape_interval_s`;
 - from its own bookkeeping of the requests it has in flight per pod (the flow's).
-Only the explicit oracle reads the engines directly.
+Only the full-information reference reads the engines directly.
 
 Nothing reads a clock or an unseeded random source, so a seed fixes the result.
 """

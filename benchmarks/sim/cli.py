@@ -9,7 +9,7 @@ import signal
 import sys
 from typing import Any
 
-from .profiles import DEFAULT_PROFILE, PROFILES, get_profile
+from .profiles import DEFAULT_PROFILE, builtin_names, get_profile
 from .vllm_hash import HASH_ALGOS
 
 
@@ -32,7 +32,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="default: the profile's KV size")
     p.add_argument("--profile", default=DEFAULT_PROFILE, metavar="NAME|FILE",
-                   help=f"latency profile: {', '.join(PROFILES)}, or a profile YAML file "
+                   help=f"latency profile: {', '.join(builtin_names())}, or a profile YAML file "
                    "(default: %(default)s)")  # fmt: skip
     p.add_argument("--print-profile", metavar="NAME|FILE",
                    help="print a profile in the YAML schema and exit")  # fmt: skip

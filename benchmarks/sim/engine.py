@@ -228,6 +228,7 @@ class SimEngine:
         # Gauges as vLLM publishes them: computed when a step ends, so a reader mid-step
         # sees the previous step's state. (time the gauges become visible, the gauges)
         self._published = self._gauges()
+        self._new_requests = 0  # requests first scheduled in the step being built
         self._next_gauges: tuple[float, EngineMetrics] | None = None
 
     # ---------------------------------------------------------------- requests
@@ -329,8 +330,9 @@ class SimEngine:
                 # earlier chunks) and over itself.
                 prefill_pairs += n * (nc + n / 2)
         duration = self.profile.step_seconds(
-            prefill_tokens, prefill_pairs, decode_seqs, decode_context
+            prefill_tokens, prefill_pairs, decode_seqs, decode_context, self._new_requests
         )
+        self._new_requests = 0
         end = now + duration
         progress = [p for r, n in scheduled if (p := self._advance(r, n, end)) is not None]
         if self._next_gauges is not None and self._next_gauges[0] <= now:
@@ -411,6 +413,7 @@ class SimEngine:
                 self.stats.prefix_cache_hits += num_hit
             if not r.scheduled_once:
                 r.scheduled_once = True
+                self._new_requests += 1
                 self.stats.queue_time.observe(max(0.0, self._step_start - r.arrival))
             self._allocate(r, n, events)
             self.running.append(r)

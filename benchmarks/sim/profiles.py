@@ -9,16 +9,20 @@ writes one measured on a live pod). A step's duration is
            + prefill_token_pairs * prefill_attention_s_per_token_pair  (causal attention)
            + decode_seqs         * decode_s_per_seq                    (sampling, launches)
            + decode_context      * decode_kv_read_s_per_token          (reading the KV cache)
+           + new_requests        * prefill_s_per_request               (optional, default 0)
 
 where a prefill chunk of ``n`` new tokens after ``c`` already-computed ones (prefix-cache
 hits and earlier chunks of the same prompt) attends over ``n * (c + n / 2)`` (query, key)
 pairs, and ``decode_context`` is the number of context tokens the batch's decoding
-sequences read. The quadratic prefill term is what makes a 30k-token prompt cost more than
-four 7.5k-token ones; a linear-only model would favour exactly the routing that ignores it.
+sequences read; ``new_requests`` counts requests scheduled for the first time (input
+preparation a serving engine does once per request, which ``epp calibrate`` measures).
+The quadratic prefill term is what makes a 30k-token prompt cost more than four 7.5k-token
+ones; a linear-only model would favour exactly the routing that ignores it.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +56,9 @@ class LatencyProfile(BaseModel):
     decode_kv_read_s_per_token: float = Field(
         ge=0, description="per context token read by a decoding sequence"
     )
+    prefill_s_per_request: float = Field(
+        default=0.0, ge=0, description="once per request, in the step that first schedules it"
+    )
     source: str = Field(min_length=1, description="how each number was obtained")
 
     def step_seconds(
@@ -60,6 +67,7 @@ class LatencyProfile(BaseModel):
         prefill_token_pairs: float,
         decode_seqs: int,
         decode_context_tokens: int,
+        new_requests: int = 0,
     ) -> float:
         if prefill_tokens == 0 and decode_seqs == 0:
             return 0.0
@@ -69,6 +77,7 @@ class LatencyProfile(BaseModel):
             + prefill_token_pairs * self.prefill_attention_s_per_token_pair
             + decode_seqs * self.decode_s_per_seq
             + decode_context_tokens * self.decode_kv_read_s_per_token
+            + new_requests * self.prefill_s_per_request
         )
 
     def prefill_seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
@@ -85,6 +94,10 @@ class LatencyProfile(BaseModel):
 def prefill_token_pairs(new_tokens: int, context_before: int) -> float:
     """(query, key) pairs of causal attention for ``new_tokens`` after ``context_before``."""
     return new_tokens * (context_before + new_tokens / 2)
+
+
+# libyaml's loader where the wheel has it: several times faster than the pure-Python one.
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class _Dumper(yaml.SafeDumper):
@@ -122,32 +135,44 @@ def load_profile_file(path: Path) -> LatencyProfile:
     except OSError as exc:
         raise ProfileError(f"cannot read profile {path}: {exc.strerror or exc}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         raise ProfileError(f"{path}: not valid YAML: {exc}") from None
     return profile_from_mapping(data, str(path))
 
 
-def _load_builtins() -> dict[str, LatencyProfile]:
+def builtin_names() -> list[str]:
+    """Names of the built-in profiles, without loading them (for help texts)."""
+    return sorted(path.stem for path in BUILTIN_DIR.glob("*.yaml"))
+
+
+@functools.cache
+def builtin_profiles() -> dict[str, LatencyProfile]:
+    """The built-in profiles, loaded on first use: every `epp` command imports this module."""
     profiles = {}
-    for path in sorted(BUILTIN_DIR.glob("*.yaml")):
+    for name in builtin_names():
+        path = BUILTIN_DIR / f"{name}.yaml"
         profile = load_profile_file(path)
-        if profile.name != path.stem:
+        if profile.name != name:
             raise ProfileError(f"{path}: name {profile.name!r} differs from the file name")
-        profiles[profile.name] = profile
+        profiles[name] = profile
     return profiles
 
 
-PROFILES: dict[str, LatencyProfile] = _load_builtins()
+def __getattr__(name: str) -> Any:
+    if name == "PROFILES":  # the built-ins by name, loaded when first asked for
+        return builtin_profiles()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_profile(spec: str) -> LatencyProfile:
     """A built-in profile by name, or a profile YAML file by path."""
-    if spec in PROFILES:
-        return PROFILES[spec]
+    builtins = builtin_profiles()
+    if spec in builtins:
+        return builtins[spec]
     path = Path(spec)
     if path.suffix in (".yaml", ".yml") or path.exists():
         return load_profile_file(path)
     raise ProfileError(
-        f"unknown profile {spec!r}; known: {', '.join(PROFILES)} (or a profile YAML file)"
+        f"unknown profile {spec!r}; known: {', '.join(builtins)} (or a profile YAML file)"
     )

@@ -1,5 +1,7 @@
-"""Envoy's cap on concurrent ext_proc streams to epp: each request in flight holds one
-stream until its response ends, so the cap is the gateway's concurrent-request limit."""
+"""Envoy's cap on concurrent ext_proc streams to epp. When responses stream through
+ext_proc, each request in flight holds one stream until its response ends, so the cap is
+the gateway's concurrent-request limit; on the default access-log response path a stream
+lasts only until the request is routed."""
 
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ def test_default_stream_cap_is_far_above_envoys_default() -> None:
 
 async def test_the_stream_cap_governs_concurrent_requests() -> None:
     # Three streams: the pool's EDS subscription to the picker holds one for good.
-    async with gateway("full-duplex", backends=1, epp_max_streams=3) as gw:
+    async with gateway(
+        "full-duplex", backends=1, epp_max_streams=3, response_path="ext-proc"
+    ) as gw:
         url = f"{gw.url}/v1/completions"
         slow = {"x-sse-delay-ms": "300"}
         body = {"model": "tiny", "prompt": "hold", "stream": True}
@@ -51,3 +55,22 @@ async def test_the_stream_cap_governs_concurrent_requests() -> None:
         await async_wait_until(lambda: gw.server.active_streams == 0, what="streams closed")
         async with gw.http.post(url, json={"model": "tiny", "prompt": "after"}) as response:
             assert response.status == 200
+
+
+async def test_responses_hold_no_stream_on_the_access_log_path() -> None:
+    async with gateway("full-duplex", backends=1, epp_max_streams=2) as gw:
+        url = f"{gw.url}/v1/completions"
+        slow = {"x-sse-delay-ms": "300"}
+        body = {"model": "tiny", "prompt": "hold", "stream": True}
+        responses = [await gw.http.post(url, json=body, headers=slow) for _ in range(3)]
+        for response in responses:
+            assert response.status == 200
+            await response.content.readline()  # every response is streaming
+        # Each ext_proc stream ended once its request was routed, responses still flowing.
+        await async_wait_until(lambda: gw.server.active_streams == 0, what="streams closed")
+        pod = gw.datastore.get(gw.backends[0].address)
+        assert pod is not None and pod.inflight.requests == 3
+        for response in responses:
+            assert (await response.read()).endswith(b"data: [DONE]\n\n")
+            response.release()
+        await async_wait_until(lambda: pod.inflight.requests == 0, what="in-flight released")

@@ -53,8 +53,7 @@ async def envoy_knows(gw: Gateway, count: int) -> None:
 
 
 async def test_a_refused_primary_is_retried_on_the_next_fallback(body_mode: str) -> None:
-    options = ServerOptions(destination_count=3)
-    async with gateway(body_mode, backends=2, options=options) as gw:
+    async with gateway(body_mode, backends=2, destination_count=3) as gw:
         dead = with_dead_pod(gw)
         await envoy_knows(gw, 3)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import aiohttp
 import pytest
+import yaml
 from conftest import TARGET_HEADER, PickByHeader
 from support.backends import echo_backends
 from support.envoy import async_running_envoy
+from support.net import async_wait_until
 
 from smart_epp.epp.datastore import Datastore
 from smart_epp.epp.envoy_cmd import EnvoyOptions, epp_replicas, render_envoy_config
@@ -19,8 +21,15 @@ from smart_epp.framework.types import Endpoint
 def test_replicas_render_into_one_health_checked_cluster() -> None:
     options = EnvoyOptions(epp_replicas=("10.0.0.1:9002", "10.0.0.2:9002"), epp_health_port=9003)
     config = render_envoy_config(options)
-    assert config.count("port_value: 9002}") == 2
-    assert config.count("health_check_config: {port_value: 9003}") == 2
+    clusters = {c["name"]: c for c in yaml.safe_load(config)["static_resources"]["clusters"]}
+    endpoints = clusters["epp"]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints] == [
+        9002,
+        9002,
+    ]
+    assert all(e["endpoint"]["health_check_config"]["port_value"] == 9003 for e in endpoints)
+    # The access log goes to every replica, through one single-endpoint cluster each.
+    assert {"epp_log_0", "epp_log_1"} <= set(clusters)
     assert "outlier_detection" in config
     assert epp_replicas(EnvoyOptions(epp_host="h", epp_port=1)) == [("h", 1)]
     with pytest.raises(ValueError, match="twice"):
@@ -72,4 +81,41 @@ async def test_streams_go_to_live_replicas_only() -> None:
                 assert len(replicas[0][1].routed) == before
         finally:
             for server, _ in replicas:
+                await server.stop(0)
+
+
+@pytest.mark.envoy
+async def test_each_replica_hears_how_its_own_requests_ended() -> None:
+    async with echo_backends(2) as pods:
+        replicas: list[tuple[EppServer, PickByHeader, Datastore]] = []
+        for _ in range(2):
+            datastore = Datastore()
+            datastore.set_endpoints([Endpoint(b.address) for b in pods])
+            scheduler = PickByHeader()
+            server = EppServer(RequestFlow(scheduler, datastore))
+            await server.start(grpc_port=0, health_port=None, metrics_port=None, host="127.0.0.1")
+            replicas.append((server, scheduler, datastore))
+        addresses = tuple(f"127.0.0.1:{server.grpc_port}" for server, _, _ in replicas)
+        try:
+            async with (
+                async_running_envoy(epp_replicas=addresses, secure_serving=False) as envoy,
+                aiohttp.ClientSession() as http,
+            ):
+                for i in range(30):
+                    body = {"model": "tiny", "prompt": f"hello {i}", "stream": True}
+                    async with http.post(f"{envoy.url}/v1/completions", json=body) as response:
+                        assert response.status == 200
+                        await response.read()
+                assert all(len(s.routed) >= 5 for _, s, _ in replicas)
+
+                def all_ended() -> bool:
+                    return all(len(s.finished) == len(s.routed) for _, s, _ in replicas)
+
+                await async_wait_until(all_ended, what="every replica's outcomes")
+                for server, scheduler, datastore in replicas:
+                    assert all(f.ok and f.ttft_s is not None for f in scheduler.finished)
+                    assert server.flow.open_requests() == 0
+                    assert all(p.inflight.requests == 0 for p in datastore.pods())
+        finally:
+            for server, _, _ in replicas:
                 await server.stop(0)

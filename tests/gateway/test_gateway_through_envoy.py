@@ -103,8 +103,9 @@ async def test_body_above_the_maximum_gets_413_json() -> None:
             assert response.status == 200
 
 
+# Usage is read from the body only when the response streams through ext_proc.
 async def test_streaming_response_passes_intact_and_usage_is_read(body_mode: str) -> None:
-    async with gateway(body_mode) as gw:
+    async with gateway(body_mode, response_path="ext-proc") as gw:
         target = gw.backends[0]
         body = {"model": "tiny", "prompt": "stream me", "stream": True}
         headers = {TARGET_HEADER: target.address, "x-sse-delay-ms": "5"}
@@ -131,7 +132,7 @@ async def test_streaming_response_passes_intact_and_usage_is_read(body_mode: str
 
 
 async def test_json_response_usage_is_read(body_mode: str) -> None:
-    async with gateway(body_mode) as gw:
+    async with gateway(body_mode, response_path="ext-proc") as gw:
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
         async with gw.http.post(f"{gw.url}/v1/chat/completions", json=body) as response:
             assert response.status == 200
@@ -196,8 +197,9 @@ async def test_unready_pods_are_not_candidates() -> None:
                 }
 
 
-async def test_hundred_concurrent_requests_all_answered(body_mode: str) -> None:
-    async with gateway(body_mode, backends=3) as gw:
+@pytest.mark.parametrize("response_path", ["access-log", "ext-proc"])
+async def test_hundred_concurrent_requests_all_answered(body_mode: str, response_path: str) -> None:
+    async with gateway(body_mode, backends=3, response_path=response_path) as gw:
 
         async def one(i: int) -> tuple[str, str]:
             target = gw.backends[i % 3]
@@ -217,7 +219,9 @@ async def test_hundred_concurrent_requests_all_answered(body_mode: str) -> None:
         await async_wait_until(
             lambda: len(gw.scheduler.finished) == 100, what="all responses accounted"
         )
-        assert all(f.ok and f.usage is not None for f in gw.scheduler.finished)
+        assert all(f.ok and f.ttft_s is not None for f in gw.scheduler.finished)
+        if response_path == "ext-proc":
+            assert all(f.usage is not None for f in gw.scheduler.finished)
         await async_wait_until(
             lambda: all(p.inflight.requests == 0 for p in gw.datastore.pods()),
             what="in-flight back to zero",

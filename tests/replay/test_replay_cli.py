@@ -56,14 +56,14 @@ def test_sim_mode_writes_schema_table_and_plots(tmp_path: Path, capsys) -> None:
         [
             "--trace", str(MOONCAKE_TRACE), "--format", "mooncake", "--limit", "60",
             "--pods", "4", "--speedup", "4", "--policy", "default", "round-robin",
-            "--policy", "llmd-precise", "oracle", "--out", str(out), "--seed", "3",
+            "--policy", "llmd-precise", "full-information", "--out", str(out), "--seed", "3",
         ]
     )  # fmt: skip
     assert rc == 0
     doc = json.loads((out / "replay_mooncake_synthetic_trace.json").read_text())
     assert doc["trace"] == str(MOONCAKE_TRACE)
     assert doc["pods"] == 4 and doc["profile"] == "h100-llama3-8b"
-    assert list(doc["policies"]) == ["default", "round-robin", "llmd-precise", "oracle"]
+    assert list(doc["policies"]) == ["default", "round-robin", "llmd-precise", "full-information"]
     # 6 of the first 60 requests are longer than the profile's 32768 tokens: vLLM refuses them.
     too_long = {"longer than max_model_len (32768 tokens)": 6}
     for summary in doc["policies"].values():
@@ -130,12 +130,12 @@ def test_ladder_reports_each_stage_and_plots(tmp_path: Path) -> None:
     rc = _replay(
         [
             "--trace", str(trace), "--ladder", "2,8", "--stage-duration", "5", "--pods", "2",
-            "--policy", "round-robin", "oracle", "--out", str(out), "--name", "lad",
+            "--policy", "round-robin", "full-information", "--out", str(out), "--name", "lad",
         ]
     )  # fmt: skip
     assert rc == 0
     doc = json.loads((out / "lad.json").read_text())
-    assert set(doc["ladder"]) == {"round-robin", "oracle"}
+    assert set(doc["ladder"]) == {"round-robin", "full-information"}
     for stages in doc["ladder"].values():
         assert list(stages) == ["2", "8"]
         assert stages["2"]["completed"] == 10 and stages["8"]["completed"] == 40

@@ -36,7 +36,7 @@ def _config() -> SimConfig:
 
 def test_same_seed_gives_identical_results() -> None:
     wl = _workload()
-    for policy in ("random", "power-of-two", "oracle"):
+    for policy in ("random", "power-of-two", "full-information"):
         a = simulate_policy(policy, wl, _config(), seed=7)
         b = simulate_policy(policy, wl, _config(), seed=7)
         assert [(r.pod, r.ttft_s, r.e2e_s, r.cached_tokens) for r in a] == [
@@ -91,13 +91,13 @@ def test_round_robin_hit_rate_matches_random_placement() -> None:
     assert measured < 0.9 * infinite_cache_hit_rate(wl.requests, 16)
 
 
-def test_oracle_hit_rate_is_at_least_every_policys() -> None:
+def test_full_information_hit_rate_is_at_least_every_policys() -> None:
     wl = _workload(qps=5.0)
     pods = [pod_address(i) for i in range(PODS)]
     rates = {
         name: summarize(simulate_policy(name, wl, _config(), seed=0), pods).prefix_hit_rate
         for name in (
-            "oracle",
+            "full-information",
             "round-robin",
             "random",
             "least-queue",
@@ -108,9 +108,9 @@ def test_oracle_hit_rate_is_at_least_every_policys() -> None:
     }
     ceiling = infinite_cache_hit_rate(wl.requests, 16)
     for name, rate in rates.items():
-        assert rate <= rates["oracle"] + 1e-9, (name, rates)
-    assert rates["oracle"] >= 0.95 * ceiling
-    assert rates["random"] < 0.8 * rates["oracle"]
+        assert rate <= rates["full-information"] + 1e-9, (name, rates)
+    assert rates["full-information"] >= 0.95 * ceiling
+    assert rates["random"] < 0.8 * rates["full-information"]
 
 
 def test_kv_events_reach_the_sink_through_the_wire_encoding() -> None:

@@ -108,7 +108,7 @@ def test_inference_extension_config_loads_unchanged():
         ("lora-affinity-scorer", 1.0),  # an omitted weight is 1
     ]
     prefix = profile.scorers[0][0]
-    assert prefix.params.blockSize == 5  # the older parameter name is honoured
+    assert prefix.params.block_chars(None) == 5  # the older parameter name is honoured
     assert loaded.notes == []
 
 

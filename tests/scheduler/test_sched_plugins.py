@@ -90,7 +90,8 @@ def test_session_affinity_sticks_to_the_last_pod_of_the_session():
 
 
 def test_approximate_prefix_scorer_learns_from_routing_history():
-    scorer = make("prefix-cache-scorer", blockSize=8, lruCapacityPerServer=100)
+    # 2-token blocks at 4 characters a token: 8-character blocks.
+    scorer = make("prefix-cache-scorer", blockSizeTokens=2, autoTune=False)
     shared = "abcdefgh" * 4  # 4 blocks
     pods = [pod("a"), pod("b")]
     first = ctx_for(request(prompt=shared + "11111111"))
@@ -106,7 +107,7 @@ def test_approximate_prefix_scorer_learns_from_routing_history():
 
 
 def test_approximate_prefix_scorer_evicts_per_server_lru():
-    scorer = make("prefix-cache-scorer", blockSize=4, lruCapacityPerServer=3)
+    scorer = make("prefix-cache-scorer", blockSize=4, lruCapacityPerServer=3, autoTune=False)
     a = pod("a")
     old = ctx_for(request(prompt="AAAABBBBCCCC"))
     scorer.on_routed(old, a)
@@ -115,20 +116,73 @@ def test_approximate_prefix_scorer_evicts_per_server_lru():
     assert scorer.score(ctx_for(request(prompt="XXXXYYYY")), [a]) == [1.0]
 
 
-def test_precise_prefix_scorer_is_tier_weighted_matched_fraction():
+def test_approximate_prefix_blocks_follow_the_upstream_character_rule():
+    """llm-d-router `approximateprefix` (hashing.go, types.go): a block of blockSizeTokens
+    tokens is blockSizeTokens x averageCharactersPerToken (4) bytes of the prompt, default
+    16 tokens; with autoTune the pods' own KV block size replaces it; the last partial
+    block is hashed too; the score is the leading matched blocks over all blocks."""
+    from smart_epp.scorers.prefix_cache_scorer import prompt_block_hashes
+
+    req = request(prompt="x" * 150)
+    assert len(prompt_block_hashes(req, 64, 256)) == 3  # 64 + 64 + a partial 22
+    assert len(prompt_block_hashes(request(prompt="x" * 63), 64, 256)) == 0
+    assert len(prompt_block_hashes(request(prompt="x" * 1000), 64, 4)) == 4  # truncated
+    default = make("prefix-cache-scorer", autoTune=False)
+    assert default.params.block_chars(None) == 64
+    tuned = make("prefix-cache-scorer")
+    assert tuned.params.block_chars(32) == 128  # a pool reporting 32-token blocks
+    # Shared 128 characters, then different: with 64-character blocks 2 of 3 blocks match,
+    # the partial third block differing.
+    pods = [pod("a", block_size=16)]
+    first = ctx_for(request(prompt="p" * 128 + "q" * 40))
+    tuned.on_routed(first, pods[0])
+    second = ctx_for(request(prompt="p" * 128 + "r" * 40))
+    assert tuned.score(second, pods) == [pytest.approx(2 / 3)]
+
+
+def test_approximate_prefix_token_ids_hash_as_four_characters_each():
+    """Token ids stand for text at upstream's 4 characters a token: a 16-token block is
+    exactly 16 tokens, so prompts sharing 32 of 48 tokens share exactly 2 of 3 blocks."""
+    scorer = make("prefix-cache-scorer")  # 16-token blocks (the pods report 16)
+    pods = [pod("a", block_size=16), pod("b", block_size=16)]
+    base = list(range(1000, 1032))
+    first = ctx_for(request(tokens=base + [7] * 16))
+    scorer.on_routed(first, pods[0])
+    assert scorer.score(ctx_for(request(tokens=base + [9] * 16)), pods) == [
+        pytest.approx(2 / 3),
+        0.0,
+    ]
+    # One token different inside the second block: only the first block matches.
+    changed = base[:20] + [5] + base[21:] + [7] * 16
+    assert scorer.score(ctx_for(request(tokens=changed)), pods) == [pytest.approx(1 / 3), 0.0]
+
+
+def test_precise_prefix_scorer_is_min_max_normalised_over_holders():
+    """llm-d's precise-prefix-cache-scorer (indexedScoresToNormalizedScoredPods): raw
+    scores (matched blocks, tier-weighted) are min-max normalised over the pods with a
+    match; equal holders all score 1; pods without a match score 0."""
     scorer = make("precise-prefix-cache-scorer")
-    pods = [pod("gpu"), pod("cpu"), pod("none"), pod("absent")]
+    pods = [pod("gpu"), pod("cpu"), pod("small"), pod("none"), pod("absent")]
+    sizes = {p.address: 16 for p in pods}
     ctx = ctx_for(
         request(tokens=list(range(64))),
         prefix_hits={
-            "gpu": PrefixHit(blocks=2),
-            "cpu": PrefixHit(blocks=4, medium="CPU"),
+            "gpu": PrefixHit(blocks=3),  # raw 3
+            "cpu": PrefixHit(blocks=4, medium="CPU"),  # raw 3.2
+            "small": PrefixHit(blocks=1),  # raw 1
             "none": PrefixHit(blocks=0),
         },
-        block_sizes={"gpu": 16, "cpu": 16, "none": 16, "absent": 16},
+        block_sizes=sizes,
     )
-    assert scorer.score(ctx, pods) == [0.5, 0.8, 0.0, 0.0]
-    assert scorer.score(ctx_for(), pods) == [0.0] * 4  # no lookup made
+    scores = scorer.score(ctx, pods)
+    assert scores == [pytest.approx(2 / 2.2), 1.0, 0.0, 0.0, 0.0]
+    equal = ctx_for(
+        request(tokens=list(range(64))),
+        prefix_hits={"gpu": PrefixHit(blocks=2), "small": PrefixHit(blocks=2)},
+        block_sizes=sizes,
+    )
+    assert scorer.score(equal, pods) == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert scorer.score(ctx_for(), pods) == [0.0] * 5  # no lookup made
 
 
 # ------------------------------------------------------------------ filters

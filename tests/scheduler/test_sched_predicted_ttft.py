@@ -10,13 +10,10 @@ from sched_helpers import pod, request
 from smart_epp.epp.config import plugin_types
 from smart_epp.framework.plugins import SchedulingContext
 from smart_epp.framework.types import Outcome, PrefixHit, Usage
-from smart_epp.scorers.predicted_ttft_scorer import (
-    PredictedTTFTScorer,
-    reusable_tokens,
-    robust_rate,
-)
+from smart_epp.scorers.predicted_ttft_scorer import PredictedTTFTScorer, reusable_tokens
+from smart_epp.scorers.ttft_model import attention_pairs
 
-RATE = 10_000.0  # the default prefill rate, tokens/s
+RATE = 10_000.0  # the default prior prefill rate, tokens/s
 
 
 def scorer(**params) -> PredictedTTFTScorer:
@@ -39,30 +36,9 @@ def test_cached_tokens_are_not_prefilled_and_cpu_tier_costs_a_transfer():
     scores = s.score(c, [pod("a:1"), pod("b:1")])
     a, b = c.components["a:1"], c.components["b:1"]
     assert a["prefill_s"] == pytest.approx(200 / RATE)  # 800 of 1000 tokens held
-    assert b["prefill_s"] == pytest.approx(200 / RATE + 800 / 100_000)
+    assert b["prefill_s"] == pytest.approx(200 / RATE)
+    assert b["cpu_s"] == pytest.approx(800 / 100_000) and a["cpu_s"] == 0.0
     assert scores[0] == 1.0 and scores[1] == pytest.approx(a["ttft_s"] / b["ttft_s"])
-
-
-def test_queue_terms_use_scraped_waiting_and_routed_backlog():
-    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.001, meanPromptTokens=500)
-    c = ctx(100)
-    s.score(c, [pod("a:1", waiting=4, running=10), pod("b:1")])
-    assert c.components["a:1"]["wait_s"] == pytest.approx(4 * 500 / RATE + 10 * 0.001)
-    assert c.components["b:1"]["wait_s"] == 0.0
-    # Routing to b leaves a backlog there that drains at the prefill rate.
-    s.on_routed(c, pod("b:1"))
-    later = ctx(100, now=100.005)
-    s.score(later, [pod("a:1"), pod("b:1")])
-    assert later.components["b:1"]["wait_s"] == pytest.approx((100 - RATE * 0.005) / RATE)
-
-
-def test_stale_metrics_are_ignored_but_own_inflight_counts():
-    s = scorer(overheadSeconds=0.0, staleAfterSeconds=1.0)
-    stale = pod("a:1", waiting=50, running=20, inflight=3)
-    stale.metrics.scraped_at = 90.0  # ten seconds before now
-    c = ctx(100)
-    s.score(c, [stale])
-    assert c.components["a:1"]["wait_s"] == pytest.approx(3 * 0.0005)
 
 
 def test_adapter_and_kv_pressure_penalties():
@@ -88,20 +64,6 @@ def test_adapter_and_kv_pressure_penalties():
     assert comp["loaded:1"]["kv_s"] == 0.0
 
 
-def test_completed_requests_come_off_a_scrape_taken_before_they_ended():
-    s = scorer(overheadSeconds=0.0, meanPromptTokens=1000)
-    a = pod("a:1", waiting=2)
-    a.metrics.scraped_at = 99.9
-    first = ctx(100, now=99.95)
-    s.score(first, [a])
-    s.on_routed(first, a)
-    s.on_outcome(first, Outcome("a:1", True, 200, None, None, now=99.99))  # ended after the scrape
-    c = ctx(100, now=100.0)
-    s.score(c, [a])
-    # One of the two scraped waiting requests was ours and has ended.
-    assert c.components["a:1"]["wait_s"] == pytest.approx(s.mean_uncached_tokens / RATE)
-
-
 def test_the_last_prompt_token_is_always_recomputed():
     assert reusable_tokens(1000, 63, 16) == 992  # 63 blocks cover 1008 > 1000 tokens
     assert reusable_tokens(1024, 64, 16) == 1008  # fully held: the last block recomputes
@@ -112,91 +74,6 @@ def test_the_last_prompt_token_is_always_recomputed():
     s.score(c, [pod("a:1")])
     assert c.components["a:1"]["hit_tokens"] == 1008
     assert c.components["a:1"]["prefill_s"] == pytest.approx(16 / RATE)
-
-
-def learn(s: PredictedTTFTScorer, target, tokens: int, ttft: float, now: float, **kw) -> None:
-    """Route one request to `target` at `now` and report its TTFT."""
-    c = ctx(tokens, now=now, **kw)
-    s.score(c, [target])
-    s.on_routed(c, target)
-    s.on_outcome(
-        c, Outcome(target.address, True, 200, Usage(tokens, 10), ttft, now=now + ttft + 1.0)
-    )
-
-
-def test_prefill_rate_is_learned_only_from_requests_that_met_a_short_queue():
-    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0, meanPromptTokens=1000)
-    busy = pod("a:1", waiting=8)  # 8 x 1000 tokens queued ahead of a 1000-token prompt
-    learn(s, busy, 1000, ttft=3.0, now=100.0)
-    assert s.pods["a:1"].prefill_tok_per_s is None  # the TTFT was mostly queueing
-    idle = pod("b:1")
-    learn(s, idle, 1000, ttft=0.05, now=100.0)
-    assert s.pods["b:1"].prefill_tok_per_s == pytest.approx(1000 / 0.05)
-
-
-def test_adapter_loads_and_tiny_prompts_are_not_learned_as_prefill():
-    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0)
-    cold = pod("a:1", max_loras=2)  # the adapter is not loaded there
-    learn(s, cold, 1000, ttft=1.0, now=100.0, adapter="x")
-    assert s.pods["a:1"].prefill_tok_per_s is None
-    learn(s, pod("b:1"), 100, ttft=1.0, now=100.0)  # below minSampleTokens
-    assert s.pods["b:1"].prefill_tok_per_s is None
-
-
-def test_learned_rate_stays_near_the_prior_until_samples_agree():
-    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0, rateBand=4.0,
-               rateTrustSamples=5)  # fmt: skip
-    a = pod("a:1")
-    # Samples claiming the pod is 100x faster than configured are held to 4x ...
-    for i in range(4):
-        learn(s, a, 1000, ttft=1000 / (100 * RATE), now=100.0 + 10 * i)
-    assert s.pods["a:1"].prefill_tok_per_s == pytest.approx(4 * RATE)
-    # ... until five of them agree.
-    learn(s, a, 1000, ttft=1000 / (100 * RATE), now=200.0)
-    assert s.pods["a:1"].prefill_tok_per_s == pytest.approx(100 * RATE)
-
-
-def test_disagreeing_samples_keep_the_band_and_the_median_ignores_outliers():
-    prior = 10_000.0
-    scattered = [1_000.0, 50_000.0, 2_000.0, 80_000.0, 3_000.0, 90_000.0]
-    assert robust_rate(scattered, prior, 4.0, 5) == pytest.approx(26_500.0)  # median
-    wild = [1e9, 12_000.0, 11_000.0, 13_000.0, 12_500.0, 11_500.0, 1.0]
-    assert robust_rate(wild, prior, 4.0, 5) == pytest.approx(12_000.0)
-
-
-def test_the_pods_own_rate_hint_is_the_prior():
-    s = scorer(overheadSeconds=0.0, rateBand=4.0)
-    fast = pod("a:1")
-    fast.prefill_tok_per_s = 50_000.0
-    c = ctx(1000)
-    s.score(c, [fast])
-    assert c.components["a:1"]["prefill_s"] == pytest.approx(1000 / 50_000)
-    # A first fast sample is allowed up to 4x the hint, not 4x the configured rate.
-    learn(s, fast, 1000, ttft=1000 / 150_000, now=100.0)
-    assert s.pods["a:1"].prefill_tok_per_s == pytest.approx(150_000.0)
-
-
-def test_kv_wait_grows_with_the_deficit_and_shrinks_with_more_requests_finishing():
-    s = scorer(overheadSeconds=0.0, meanPromptTokens=900, meanOutputTokens=100,
-               decodeSecondsPerToken=0.01)  # fmt: skip
-    pods = [
-        pod("small:1", kv=0.99, num_gpu_blocks=1000, running=10),  # 160 tokens free
-        pod("many:1", kv=0.99, num_gpu_blocks=1000, running=40),
-        pod("roomy:1", kv=0.5, num_gpu_blocks=1000, running=10),
-        pod("queued:1", kv=0.99, num_gpu_blocks=1000, running=10, waiting=2),
-    ]
-    c = ctx(4160)  # 4000 tokens short of space: four mean requests (900 + 100) must end
-    c.block_sizes = {p.address: 16 for p in pods}
-    s.score(c, pods)
-    comp = c.components
-    assert comp["small:1"]["kv_s"] == pytest.approx(4 * 100 * 0.01 / 10)
-    assert comp["many:1"]["kv_s"] == pytest.approx(4 * 100 * 0.01 / 40)
-    assert comp["roomy:1"]["kv_s"] == 0.0
-    # Two requests queue behind this one for KV: they wait for its prefill and for the
-    # 4160 tokens of KV it holds (1 s of decode frees 10 x 1000 tokens).
-    per_token = 100 * 0.01 / (10 * 1000)
-    assert comp["queued:1"]["congestion_s"] == pytest.approx(2 * (4160 / RATE + 4160 * per_token))
-    assert comp["roomy:1"]["congestion_s"] == 0.0
 
 
 def test_prefixes_in_flight_count_as_held_until_answered_or_expired():
@@ -240,20 +117,150 @@ def test_prefixes_in_flight_are_left_to_the_index_by_default():
     assert again.components["b:1"]["hit_tokens"] == 0
 
 
-def test_a_long_queue_makes_a_cache_miss_cost_everyone_behind_it():
+def test_queue_terms_use_scraped_waiting_and_own_sends():
+    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.001, meanPromptTokens=500)
+    c = ctx(100)
+    s.score(c, [pod("a:1", waiting=4, running=10), pod("b:1")])
+    # Four waiting requests this gateway did not send, at the mean size, and the batch.
+    assert c.components["a:1"]["wait_s"] == pytest.approx(4 * 500 / RATE + 10 * 0.001)
+    assert c.components["b:1"]["wait_s"] == 0.0
+    # A request sent to b after b's last scrape is ahead of the next one there.
+    b = pod("b:1")
+    b.metrics.scraped_at = 99.99
+    s.on_routed(c, b)
+    later = ctx(100, now=100.005)
+    s.score(later, [pod("a:1"), b])
+    assert later.components["b:1"]["wait_s"] == pytest.approx(100 / RATE)
+    assert later.components["b:1"]["queued"] == 1.0
+    # The next scrape says nothing waits at b: the request was admitted, and its own
+    # predicted prefill (10 ms from the scrape) drains from there.
+    b.metrics.scraped_at = 100.006
+    s.score(again := ctx(100, now=100.011), [b])
+    assert again.components["b:1"]["wait_s"] == pytest.approx(0.5 * 100 / RATE)
+
+
+def test_stale_metrics_are_ignored_but_own_inflight_counts():
+    s = scorer(overheadSeconds=0.0, staleAfterSeconds=1.0)
+    stale = pod("a:1", waiting=50, running=20, inflight=3)
+    stale.metrics.scraped_at = 90.0  # ten seconds before now
+    c = ctx(100)
+    s.score(c, [stale])
+    assert c.components["a:1"]["wait_s"] == pytest.approx(3 * 0.0005)
+
+
+def test_completed_requests_come_off_a_scrape_taken_before_they_ended():
+    s = scorer(overheadSeconds=0.0, meanPromptTokens=1000)
+    a = pod("a:1", waiting=2)
+    a.metrics.scraped_at = 99.9
+    first = ctx(100, now=99.95)
+    s.score(first, [a])
+    s.on_routed(first, a)
+    s.on_outcome(first, Outcome("a:1", True, 200, None, None, now=99.99))  # ended after scrape
+    c = ctx(100, now=100.0)
+    s.score(c, [a])
+    # One of the two scraped waiting requests ended since: one other remains.
+    assert c.components["a:1"]["wait_s"] == pytest.approx(s.mean_uncached_tokens / RATE)
+
+
+def answer(s: PredictedTTFTScorer, target, tokens: int, ttft: float, now: float, **kw):
+    """Route one request to `target` at `now` and report its TTFT and usage."""
+    cached = kw.pop("cached", None)
+    c = ctx(tokens, now=now, **kw)
+    s.score(c, [target])
+    s.on_routed(c, target)
+    usage = Usage(tokens, 10, cached_tokens=cached)
+    s.on_outcome(c, Outcome(target.address, True, 200, usage, ttft, now=now + ttft + 1.0))
+
+
+def test_the_scorer_learns_a_pods_speed_from_its_answers():
+    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0)
+    fast = pod("a:1")
+    rng = random.Random(0)
+    for i in range(60):
+        n = rng.randint(500, 8000)
+        # 40 us per token plus 1 ns per attention pair: 2.5x faster than the prior.
+        answer(
+            s, fast, n, ttft=0.002 + 40e-6 * n + 1e-9 * attention_pairs(n, 0), now=100.0 + 30 * i
+        )
+    c = ctx(16_000, now=5000.0)
+    s.score(c, [fast])
+    expected = 0.002 + 40e-6 * 16_000 + 1e-9 * attention_pairs(16_000, 0)
+    assert c.components["a:1"]["ttft_s"] == pytest.approx(expected, rel=0.1)
+
+
+def test_cached_tokens_reported_by_the_pod_win_over_the_index_guess():
+    """A pod that served 900 of 1000 tokens from cache answered in 10 ms: learned as 100
+    tokens of prefill (0.1 ms/token), not as 1000 tokens (0.01 ms/token)."""
+    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0)
+    a = pod("a:1")
+    for i in range(40):
+        answer(s, a, 1000, ttft=100 * 1e-4, now=100.0 + 30 * i, cached=900)
+    c = ctx(1000, now=5000.0)
+    s.score(c, [a])
+    assert c.components["a:1"]["prefill_s"] == pytest.approx(1000 * 1e-4, rel=0.25)
+
+
+def test_adapter_loads_and_kv_waits_are_not_learned_as_prefill():
+    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0)
+    cold = pod("a:1", max_loras=2)  # the adapter is not loaded there
+    for i in range(20):
+        answer(s, cold, 1000, ttft=5.0, now=100.0 + 10 * i, adapter="x")
+    assert "a:1" not in s.learner.pods
+
+
+def test_with_idle_pods_a_request_follows_its_cached_prefix():
+    s = scorer()
+    pods = [pod("a:1"), pod("b:1", block_size=16), pod("c:1")]
+    c = ctx(4000, hits={"b:1": PrefixHit(blocks=200)})  # b holds 3200 tokens
+    c.block_sizes = {p.address: 16 for p in pods}
+    scores = s.score(c, pods)
+    assert scores[1] == 1.0 and max(scores[0], scores[2]) < 1.0
+    # No queue anywhere: the ranking is the TTFT alone.
+    assert all(comp["congestion_s"] == 0.0 for comp in c.components.values())
+
+
+def test_with_the_cached_pod_overloaded_a_request_goes_elsewhere():
+    s = scorer(meanPromptTokens=4000)
+    pods = [pod("a:1"), pod("b:1", waiting=30, running=20), pod("c:1")]
+    c = ctx(4000, hits={"b:1": PrefixHit(blocks=200)})
+    c.block_sizes = {p.address: 16 for p in pods}
+    scores = s.score(c, pods)
+    assert scores[1] < 1.0 and max(scores[0], scores[2]) == 1.0
+
+
+def test_a_cache_miss_on_a_busy_pod_costs_the_requests_behind_it():
+    """Both candidates are busy; a holds most of the prompt. By its own TTFT the request
+    would go to the shorter queue (b), but there its 1008 tokens of prefill delay the
+    8 requests that queue behind it, where a adds only 96 tokens ahead of 10."""
+
     def rank(weight: float) -> tuple[str, dict]:
         s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0, meanPromptTokens=1000,
-                   congestionWeight=weight, routedPrefixSeconds=0.0)  # fmt: skip
+                   congestionWeight=weight)  # fmt: skip
         pods = [pod("a:1", waiting=10), pod("b:1", waiting=8)]
         c = ctx(1008, hits={"a:1": PrefixHit(blocks=57)})  # a holds 912 tokens: 96 to go
         scores = s.score(c, pods)
         return pods[scores.index(1.0)].address, c.components
 
     chosen, comp = rank(0.0)
-    # By TTFT alone b is sooner: (8 x 1000 + 1008) vs (10 x 1000 + 96) tokens ahead.
     assert chosen == "b:1" and comp["b:1"]["ttft_s"] < comp["a:1"]["ttft_s"]
     chosen, comp = rank(1.0)
-    # But b would prefill 1008 tokens ahead of 8 queued requests, a only 96 ahead of 10.
     assert comp["b:1"]["congestion_s"] == pytest.approx(8 * 1008 / RATE)
     assert comp["a:1"]["congestion_s"] == pytest.approx(10 * 96 / RATE)
     assert chosen == "a:1"
+
+
+def test_kv_wait_grows_with_the_deficit_and_shrinks_with_more_requests_finishing():
+    s = scorer(overheadSeconds=0.0, meanPromptTokens=900, meanOutputTokens=100,
+               decodeSecondsPerToken=0.01)  # fmt: skip
+    pods = [
+        pod("small:1", kv=0.99, num_gpu_blocks=1000, running=10),  # 160 tokens free
+        pod("many:1", kv=0.99, num_gpu_blocks=1000, running=40),
+        pod("roomy:1", kv=0.5, num_gpu_blocks=1000, running=10),
+    ]
+    c = ctx(4160)  # 4000 tokens short of space: four mean requests (900 + 100) must end
+    c.block_sizes = {p.address: 16 for p in pods}
+    s.score(c, pods)
+    comp = c.components
+    assert comp["small:1"]["kv_s"] == pytest.approx(4 * 100 * 0.01 / 10)
+    assert comp["many:1"]["kv_s"] == pytest.approx(4 * 100 * 0.01 / 40)
+    assert comp["roomy:1"]["kv_s"] == 0.0

@@ -10,7 +10,12 @@ from prometheus_client import REGISTRY
 from sched_helpers import LocalHTTPServer, pod, request
 from support.paths import TINY_MODEL, VLLM_FIXTURES
 
-from smart_epp.epp.tokenization import LocalTokenizer, PodTokenizer, TokenizerRouter
+from smart_epp.epp.tokenization import (
+    LocalTokenizer,
+    PodTokenizer,
+    TokenizerRouter,
+    decode_tokenize_answer,
+)
 from smart_epp.framework.types import LLMRequest
 
 
@@ -189,3 +194,17 @@ async def test_router_uses_local_tokenizer_for_configured_models(local, tokenize
         assert len(good.bodies) == 1
     finally:
         await router.aclose()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b'{"tokens": [1, true]}', b'{"tokens": "1 2"}', b'{"count": 2}', b"[1, 2]", b"<html>"],
+)
+def test_a_tokenize_answer_without_an_id_list_is_refused(answer: bytes) -> None:
+    with pytest.raises(ValueError):  # msgspec.DecodeError is a ValueError
+        decode_tokenize_answer(answer)
+
+
+def test_a_tokenize_answer_gives_its_ids() -> None:
+    answer = b'{"count": 3, "max_model_len": 2048, "tokens": [5, 0, 70000]}'
+    assert decode_tokenize_answer(answer).tokens == [5, 0, 70000]

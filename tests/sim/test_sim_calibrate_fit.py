@@ -22,6 +22,7 @@ TRUE = {
     "prefill_attention_s_per_token_pair": 1.05e-9,
     "decode_s_per_seq": 5.0e-5,
     "decode_kv_read_s_per_token": 3.91e-8,
+    "prefill_s_per_request": 0.003,
 }
 
 
@@ -51,6 +52,7 @@ def test_noisy_timings_give_back_the_coefficients_within_a_few_percent():
     result = fit(synthetic(noise=0.01, seed=4))
     for name in ("step_overhead_s", "prefill_s_per_token", "prefill_attention_s_per_token_pair"):
         assert result.coefficients[name] == pytest.approx(TRUE[name], rel=0.1), name
+    assert result.coefficients["prefill_s_per_request"] == pytest.approx(0.003, abs=0.002)
     assert {g.group for g in result.groups} == {"cold prefill", "warm prefix", "decode"}
     assert all(g.median_abs_pct_error < 3 for g in result.groups)
 

@@ -20,14 +20,15 @@ from smart_epp.epp.cli import build_parser
 TRUE = LatencyProfile(
     name="roundtrip",
     kv_tokens=200_000,
-    max_model_len=2048,
+    max_model_len=1024,
     max_num_batched_tokens=8192,
     max_num_seqs=64,
-    step_overhead_s=0.012,
-    prefill_s_per_token=2.0e-4,
-    prefill_attention_s_per_token_pair=2.0e-7,
-    decode_s_per_seq=3.0e-3,
-    decode_kv_read_s_per_token=2.0e-6,
+    step_overhead_s=0.024,
+    prefill_s_per_token=4.0e-4,
+    prefill_attention_s_per_token_pair=4.0e-7,
+    decode_s_per_seq=6.0e-3,
+    decode_kv_read_s_per_token=4.0e-6,
+    prefill_s_per_request=0.0,
     source="test profile",
 )
 
@@ -64,7 +65,11 @@ def test_calibrating_a_sim_pod_recovers_its_profile(sim_pod: str, tmp_path: Path
     assert fitted.max_model_len == TRUE.max_model_len
     assert fitted.kv_tokens == pytest.approx(TRUE.kv_tokens, rel=0.01)
     for name in COEFFICIENTS:
-        assert getattr(fitted, name) == pytest.approx(getattr(TRUE, name), rel=0.15), name
+        if name != "prefill_s_per_request":
+            assert getattr(fitted, name) == pytest.approx(getattr(TRUE, name), rel=0.15), name
+    # The profile has none; what the fit finds is the sim pod's own HTTP and wake-up time
+    # per request, which a client sees and a calibration rightly keeps.
+    assert fitted.prefill_s_per_request < 0.05
     printed = capsys.readouterr().err
     for group in ("cold prefill", "warm prefix", "decode"):
         assert group in printed and group in fitted.source

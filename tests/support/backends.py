@@ -131,7 +131,10 @@ class EchoBackend:
 
     async def _stream(self, request: web.Request, answer: dict, size: int) -> web.StreamResponse:
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
-        await response.prepare(request)
+        await response.prepare(request)  # headers at once, as vLLM sends them
+        first_token = float(request.headers.get("x-first-token-delay-ms", "0")) / 1000
+        if first_token:
+            await asyncio.sleep(first_token)
         delay = float(request.headers.get("x-sse-delay-ms", "0")) / 1000
         for i in range(SSE_CHUNKS):
             chunk = {**answer, "choices": [{"index": 0, "text": f"t{i}"}], "usage": None}

@@ -1,6 +1,9 @@
-"""AIBrix's prefix-cache router with its documented defaults: prefix blocks of 16 tokens,
-200,000 blocks, imbalance when running requests differ by more than 16, and a matched pod
-skipped when its running requests exceed mean + 2 standard deviations."""
+"""AIBrix's prefix-cache router with its documented defaults: the `character` tokenizer
+(AIBRIX_PREFIX_CACHE_TOKENIZER_TYPE) with blocks of 128 characters
+(AIBRIX_PREFIX_CACHE_BLOCK_SIZE, the size its docs recommend for that tokenizer), 200,000
+blocks, imbalance when running requests differ by more than 16, and a matched pod skipped
+when its running requests exceed mean + 2 standard deviations (v0.7.0's settings).
+Replayed token ids count as 4 characters each (see `prefix_table.prompt_characters`)."""
 
 from __future__ import annotations
 
@@ -11,8 +14,8 @@ from ....framework.types import Decision, LLMRequest, PodState
 from .base import StatelessHooks, gateway_load, ranked
 from .prefix_table import (
     RoutedPrefixTable,
-    chunk_keys,
-    prompt_units,
+    character_chunk_keys,
+    prompt_characters,
 )
 
 
@@ -21,7 +24,7 @@ class AIBrixPrefixCache(StatelessHooks):
 
     def __init__(
         self,
-        block_size: int = 16,
+        block_size: int = 128,
         max_blocks: int = 200_000,
         imbalance_abs_count: int = 16,
         load_factor: float = 2.0,
@@ -34,7 +37,7 @@ class AIBrixPrefixCache(StatelessHooks):
     async def schedule(self, request: LLMRequest, candidates: Sequence[PodState]) -> Decision:
         if not candidates:
             return Decision(endpoints=[], profile=self.name)
-        keys = chunk_keys(prompt_units(request), self.block_size, request.model)
+        keys = character_chunk_keys(prompt_characters(request), self.block_size, request.model)
         loads = {p.address: gateway_load(p) for p in candidates}
         least = min(candidates, key=lambda p: loads[p.address])
         pick: PodState | None = None

@@ -12,6 +12,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
 import xxhash
 
 from ....framework.types import LLMRequest
@@ -22,6 +23,30 @@ def prompt_units(request: LLMRequest) -> Sequence[int]:
     if request.prompt_token_ids is not None:
         return request.prompt_token_ids
     return [ord(c) for c in request.text_for_hashing()]
+
+
+CHARACTERS_PER_TOKEN = 4  # the usual estimate for English BPE vocabularies
+
+
+def prompt_characters(request: LLMRequest) -> bytes:
+    """The prompt as characters (UTF-32, 4 bytes each), for routers that tokenize by
+    character. Replayed token ids stand for text: each counts as 4 characters (its id's 4
+    bytes), so character blocks keep their size in tokens."""
+    if request.prompt_token_ids is not None:
+        ids = np.asarray(request.prompt_token_ids, dtype="<u4")
+        return ids.view(np.uint8).astype("<u4").tobytes()
+    return request.text_for_hashing().encode("utf-32-le")
+
+
+def character_chunk_keys(chars: bytes, chunk_chars: int, namespace: str = "") -> list[int]:
+    """Chained 64-bit keys of the full `chunk_chars`-character pieces of `chars`."""
+    step = 4 * chunk_chars
+    parent = xxhash.xxh64_intdigest(namespace.encode())
+    keys = []
+    for start in range(0, len(chars) - step + 1, step):
+        parent = xxhash.xxh64_intdigest(chars[start : start + step], parent)
+        keys.append(parent)
+    return keys
 
 
 def chunk_keys(units: Sequence[int], chunk: int, namespace: str = "") -> list[int]:

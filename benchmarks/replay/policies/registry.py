@@ -1,5 +1,5 @@
-"""Policies by name: the peers in this package, the oracle, and smart-epp's own scheduler
-for any built-in or file EndpointPickerConfig."""
+"""Policies by name: the peers in this package, the full-information reference, and
+smart-epp's own scheduler for any built-in or file EndpointPickerConfig."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..sim import RoutedPolicy, SimPool
 from .aibrix import AIBrixPrefixCache
-from .oracle import Oracle
+from .full_information import FullInformation
 from .sglang import SGLangCacheAware
 from .simple import (
     LeastQueue,
@@ -27,7 +27,9 @@ PEER_POLICIES = (
     "aibrix-prefix-cache",
 )
 CONFIG_POLICIES = ("default", "gie-default", "llmd-precise")
-ALL_POLICIES = ("default", *PEER_POLICIES, "gie-default", "llmd-precise", "oracle")
+ALL_POLICIES = ("default", *PEER_POLICIES, "gie-default", "llmd-precise", "full-information")
+# Former names still accepted.
+ALIASES = {"oracle": "full-information"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +50,7 @@ def policy_label(name: str) -> str:
 
 
 def known_policy(name: str) -> bool:
-    return name in ALL_POLICIES or Path(name).is_file()
+    return name in ALL_POLICIES or name in ALIASES or Path(name).is_file()
 
 
 def build_policy(name: str, ctx: PolicyContext) -> RoutedPolicy:
@@ -64,8 +66,8 @@ def build_policy(name: str, ctx: PolicyContext) -> RoutedPolicy:
         return RoutedPolicy(name, SGLangCacheAware())
     if name == "aibrix-prefix-cache":
         return RoutedPolicy(name, AIBrixPrefixCache())
-    if name == "oracle":
-        return RoutedPolicy(name, Oracle(ctx.pool.engines))
+    if name in ("full-information", "oracle"):
+        return RoutedPolicy(name, FullInformation(ctx.pool.engines))
     if name in CONFIG_POLICIES or Path(name).is_file():
         from .smart_epp import build_config_policy
 

@@ -1,8 +1,11 @@
-"""The oracle: predicted time to first token with perfect, instantaneous knowledge.
+"""full-information: a greedy predicted-TTFT router that reads the simulated engines.
 
-It reads every simulated engine directly — the real prefix cache, the real queues — which
-no gateway can do, so it bounds what a TTFT-predicting router could reach with perfect
-information. It exists only inside the replay simulation.
+It reads every simulated engine directly — the real prefix cache, the real queues, the
+profile's true step cost — which no gateway can do, and sends each request to the pod with
+the smallest predicted time to first token for that request alone. It is a reference for
+what better information buys a greedy TTFT heuristic, not a bound: it ignores what a
+placement does to later requests, and other policies can and do beat it. It exists only
+inside the replay simulation.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from ...sim.engine import SimEngine
 from .base import StatelessHooks
 
 
-class Oracle(StatelessHooks):
-    name = "oracle"
+class FullInformation(StatelessHooks):
+    name = "full-information"
 
     def __init__(self, engines: Mapping[str, SimEngine]) -> None:
         self._engines = engines

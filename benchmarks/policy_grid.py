@@ -1,0 +1,291 @@
+"""Every routing policy over a grid of workloads x loads x prefill-attention costs.
+
+    .venv/bin/python benchmarks/policy_grid.py [--requests N] [--pods N] [--jobs N]
+
+Cells: traces {Mooncake synthetic (the real trace's first N requests, its own arrival
+pattern time-scaled), an llm-d-shaped shared-prefix workload (distinct prompts, no prompt
+repeated), a ShareGPT-style multi-turn chat workload (seeded log-normal turn lengths)}
+x offered load {30%, 75%, 110% of the pool's raw prefill capacity: prompt tokens/s offered
+over pods / prefill_s_per_token, before any cache hit} x prefill attention per token pair
+{0, the profile value, 2x it}. Each cell replays the same requests, arrivals and seed for
+every policy in the discrete-event simulator (`epp replay`'s engine, virtual time).
+
+Cells are small on purpose (200 requests on 4 pods by default, 27 cells x 8 policies) so
+the grid fits a shared machine: it took 27 minutes with --jobs 2 on this project's 2-core
+machine at a load average near 20. A cell is a sample, not a long-run average, and its
+numbers move with the seed. Writes `benchmarks/results/policy_grid.json` and a heat map of
+each policy's TTFT p90 relative to the best policy of its cell
+(`benchmarks/results/policy_grid_ttft_p90.png`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from smart_epp.benchmarks.replay.arrivals import poisson_arrivals, scaled_arrivals
+from smart_epp.benchmarks.replay.cli import Workload, simulate_policy
+from smart_epp.benchmarks.replay.report import summarize
+from smart_epp.benchmarks.replay.sim import SimConfig, pod_address
+from smart_epp.benchmarks.replay.traces import (
+    SharedPrefixSpec,
+    TraceRequest,
+    _seeded_tokens,
+    generate_shared_prefix,
+    load_trace,
+)
+from smart_epp.benchmarks.sim.profiles import PROFILES
+
+ROOT = Path(__file__).resolve().parent
+MOONCAKE = ROOT / "traces" / "mooncake_synthetic_trace.jsonl"
+BASE_PROFILE = "h100-llama3-8b"
+ATTENTION_FACTORS = (0.0, 1.0, 2.0)
+LOADS = (0.3, 0.75, 1.1)
+TRACES = ("mooncake", "shared-prefix", "multi-turn")
+POLICIES = (
+    "default",
+    "llmd-precise",
+    "gie-default",
+    "aibrix-prefix-cache",
+    "sglang-cache-aware",
+    "least-queue",
+    "round-robin",
+    "full-information",
+)
+MODEL = "model"
+
+
+def grid_profile(factor: float) -> str:
+    """Registers the base profile with `factor` x its prefill attention cost (a roofline
+    estimate, hence the 0x and 2x cells) and returns the variant's name."""
+    name = f"{BASE_PROFILE}-attn{factor:g}x"
+    if name not in PROFILES:
+        base = PROFILES[BASE_PROFILE]
+        PROFILES[name] = base.model_copy(
+            update={
+                "name": name,
+                "prefill_attention_s_per_token_pair": factor
+                * base.prefill_attention_s_per_token_pair,
+            }
+        )
+    return name
+
+
+def shared_prefix_workload(n: int, seed: int) -> list[TraceRequest]:
+    """llm-d's benchmark shape (6,000-token system prompts, 1,200-token questions) scaled
+    to `n` distinct prompts: 5 per group, so every request is a different prompt."""
+    spec = SharedPrefixSpec(
+        num_groups=max(1, n // 5),
+        num_prompts_per_group=5,
+        system_prompt_len=6000,
+        question_len=1200,
+        output_len=200,
+    )
+    return generate_shared_prefix(spec, seed=seed, model=MODEL)[:n]
+
+
+def multi_turn_workload(n: int, seed: int) -> list[TraceRequest]:
+    """ShareGPT-like chats: each turn carries the conversation so far. Turn lengths are
+    log-normal (user median ~120 tokens, assistant ~250, heavy tails), 2-8 turns per chat,
+    a 500-token system prompt shared by all; conversations interleave turn by turn."""
+    rng = np.random.default_rng(seed)
+    system = _seeded_tokens(f"mt:{seed}:system", 500)
+    chats: list[list[TraceRequest]] = []
+    total = 0
+    c = 0
+    while total < n:
+        history: list[Any] = [system]
+        turns: list[TraceRequest] = []
+        for k in range(int(rng.integers(2, 9))):
+            user = int(min(4000, max(8, rng.lognormal(math.log(120), 1.0))))
+            answer = int(min(2000, max(8, rng.lognormal(math.log(250), 0.8))))
+            history.append(_seeded_tokens(f"mt:{seed}:{c}:u{k}", user))
+            turns.append(TraceRequest(0, 0.0, answer, tuple(history), MODEL, f"chat-{c}"))
+            history.append(_seeded_tokens(f"mt:{seed}:{c}:a{k}", answer))
+        chats.append(turns)
+        total += len(turns)
+        c += 1
+    # A turn follows the previous turn of its chat: round-robin over live chats.
+    out: list[TraceRequest] = []
+    depth = 0
+    while len(out) < n:
+        for turns in chats:
+            if depth < len(turns) and len(out) < n:
+                req = turns[depth]
+                req.index = len(out)
+                out.append(req)
+        depth += 1
+    return out
+
+
+def load_workload(trace: str, n: int, seed: int) -> list[TraceRequest]:
+    if trace == "mooncake":
+        return load_trace(MOONCAKE, "mooncake", n, seed, MODEL)
+    if trace == "shared-prefix":
+        return shared_prefix_workload(n, seed)
+    return multi_turn_workload(n, seed)
+
+
+def arrivals_for_load(
+    trace: str, requests: Sequence[TraceRequest], load: float, pods: int, seed: int
+) -> list[float]:
+    """Arrival times offering `load` x the pool's raw prefill capacity in prompt tokens/s."""
+    capacity = pods / PROFILES[BASE_PROFILE].prefill_s_per_token
+    tokens = sum(r.input_tokens for r in requests)
+    if trace == "mooncake":
+        natural = scaled_arrivals(requests, 1.0)
+        span = max(natural) - min(natural) or 1.0
+        speedup = (tokens / span) / (load * capacity)
+        return scaled_arrivals(requests, 1.0 / speedup)
+    qps = load * capacity / (tokens / len(requests))
+    return poisson_arrivals(len(requests), qps, seed)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cell:
+    trace: str
+    load: float
+    attention: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.trace} load={self.load:g} attn={self.attention:g}x"
+
+
+def run_cell(cell: Cell, policies: Sequence[str], n: int, pods: int, seed: int) -> dict[str, Any]:
+    requests = load_workload(cell.trace, n, seed)
+    arrivals = arrivals_for_load(cell.trace, requests, cell.load, pods, seed)
+    # Requests longer than the profile's context are rejected, the same ones for every policy.
+    config = SimConfig(pods=pods, profile=grid_profile(cell.attention), model=MODEL)
+    addresses = [pod_address(i) for i in range(pods)]
+    out: dict[str, Any] = {}
+    for name in policies:
+        started = time.perf_counter()
+        results = simulate_policy(name, Workload(requests, arrivals), config, seed)
+        summary = summarize(results, addresses).as_json()
+        summary["wall_s"] = round(time.perf_counter() - started, 2)
+        out[name] = summary
+    return out
+
+
+def relative_p90(cells: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    rel: dict[str, dict[str, float]] = {}
+    for key, per_policy in cells.items():
+        p90 = {n: s["ttft_p90_s"] for n, s in per_policy.items() if s["ttft_p90_s"]}
+        best = min(p90.values())
+        rel[key] = {n: v / best for n, v in p90.items()}
+    return rel
+
+
+def plot(rel: dict[str, dict[str, float]], policies: Sequence[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(rel)
+    data = np.array([[rel[k].get(p, np.nan) for p in policies] for k in keys])
+    fig, ax = plt.subplots(figsize=(1.1 * len(policies) + 3, 0.38 * len(keys) + 1.8))
+    shown = np.clip(data, 1.0, 3.0)
+    im = ax.imshow(shown, cmap="RdYlGn_r", vmin=1.0, vmax=3.0, aspect="auto")
+    ax.set_xticks(range(len(policies)), policies, rotation=35, ha="right", fontsize=8)
+    ax.set_yticks(range(len(keys)), keys, fontsize=8)
+    for i in range(len(keys)):
+        for j in range(len(policies)):
+            v = data[i, j]
+            if not np.isnan(v):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+    fig.colorbar(im, ax=ax, label="TTFT p90 / best policy's in the cell (clipped at 3)")
+    ax.set_title("TTFT p90 relative to the best policy per cell (1.00 = best)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def goals(cells: dict[str, dict[str, Any]], policy: str) -> dict[str, Any]:
+    """How `policy` fares against the issue's goals, per cell."""
+    rel = relative_p90(cells)
+    ranks: dict[str, list[int]] = {}
+    misses: list[str] = []
+    for key, per_policy in cells.items():
+        order = sorted(rel[key], key=lambda n: rel[key][n])
+        for n in order:
+            ranks.setdefault(n, []).append(order.index(n) + 1)
+        best_p50 = min(s["ttft_p50_s"] for s in per_policy.values() if s["ttft_p50_s"])
+        best_tput = max(s["output_tok_per_s"] for s in per_policy.values())
+        mine = per_policy[policy]
+        if rel[key][policy] > 1.03:
+            misses.append(f"{key}: p90 {rel[key][policy]:.2f}x best")
+        if mine["ttft_p50_s"] > 1.10 * best_p50:
+            misses.append(f"{key}: p50 {mine['ttft_p50_s'] / best_p50:.2f}x best")
+        if mine["output_tok_per_s"] < 0.98 * best_tput:
+            misses.append(f"{key}: output tok/s {mine['output_tok_per_s'] / best_tput:.3f}x best")
+    mean_rank = {n: round(float(np.mean(r)), 2) for n, r in ranks.items()}
+    return {
+        "mean_rank_p90": dict(sorted(mean_rank.items(), key=lambda kv: kv[1])),
+        "misses": misses,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=200, help="requests per cell")
+    ap.add_argument("--pods", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=2, help="cells run in parallel")
+    ap.add_argument("--trace", nargs="+", choices=TRACES, default=list(TRACES))
+    ap.add_argument("--load", nargs="+", type=float, default=list(LOADS))
+    ap.add_argument("--attention", nargs="+", type=float, default=list(ATTENTION_FACTORS))
+    ap.add_argument("--policy", nargs="+", default=list(POLICIES))
+    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    ap.add_argument("--name", default="policy_grid")
+    args = ap.parse_args(argv)
+    cells = [Cell(t, ld, a) for t in args.trace for ld in args.load for a in args.attention]
+    started = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {
+            c.key: pool.submit(run_cell, c, args.policy, args.requests, args.pods, args.seed)
+            for c in cells
+        }
+        for key, fut in futures.items():
+            results[key] = fut.result()
+            best = min(s["ttft_p90_s"] for s in results[key].values())
+            line = ", ".join(f"{n} {s['ttft_p90_s'] / best:.2f}" for n, s in results[key].items())
+            print(f"{key}: p90/best {line}", file=sys.stderr, flush=True)
+    rel = relative_p90(results)
+    doc = {
+        "what": "TTFT/throughput per policy per cell, sim mode (virtual time)",
+        "command": "benchmarks/policy_grid.py " + " ".join(argv or sys.argv[1:]),
+        "requests_per_cell": args.requests,
+        "pods": args.pods,
+        "seed": args.seed,
+        "profile": BASE_PROFILE,
+        "profile_attention_s_per_pair": PROFILES[BASE_PROFILE].prefill_attention_s_per_token_pair,
+        "load_definition": "offered prompt tokens/s / (pods / prefill_s_per_token)",
+        "wall_s": round(time.perf_counter() - started, 1),
+        "cells": results,
+        "ttft_p90_relative_to_best": rel,
+        "goals_default": goals(results, "default"),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    plot(rel, args.policy, args.out / f"{args.name}_ttft_p90.png")
+    print(json.dumps(doc["goals_default"], indent=1))
+    print(f"wall {doc['wall_s']} s; wrote {args.out / args.name}.json and _ttft_p90.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

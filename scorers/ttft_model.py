@@ -1,0 +1,302 @@
+"""An online model of one pool's time to first token, learned from the gateway's own view.
+
+Per pod, TTFT is modelled as linear in four features of the moment a request is sent:
+
+    ttft ~= c0                          fixed cost (scheduling, first step, network)
+          + c1 * tokens                 uncached prompt tokens to compute: the queue ahead
+                                        of the request plus its own (weights, per token)
+          + c2 * pairs                  causal attention pairs of that work: n new tokens
+                                        after `cached` ones attend to n * (cached + n / 2)
+          + c3 * running                decode batch sharing the prefill steps
+
+`tokens` and `pairs` are in thousands and millions so one prior scale suits every pod.
+The coefficients are fitted by recursive least squares with a forgetting factor (recent
+samples weigh more, so a pod that slows down is followed within a few dozen answers),
+projected onto c >= 0 after each update (no cost term can be negative), with residuals
+clipped at a multiple of their running scale (one preempted or paused request must not
+drag the fit) and the covariance kept within its prior (the state stays bounded even when
+the features do not vary). A pool-wide model learns from every pod's answers and is the
+prior of a pod seen for the first time, so a new pod starts from what its peers showed.
+
+Pure: no clock, no I/O; time arrives as arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+TOKEN_UNIT = 1e3  # features in thousands of tokens ...
+PAIR_UNIT = 1e6  # ... and millions of attention pairs
+N_FEATURES = 4
+# The spread of one TTFT around its prediction, relative to it (batching, chunk boundaries,
+# scrape timing): it sets how far one sample moves the fit against the prior.
+RELATIVE_NOISE = 0.2
+
+
+def attention_pairs(new_tokens: float, cached_tokens: float) -> float:
+    """Causal (query, key) pairs when `new_tokens` follow `cached_tokens` in prefill."""
+    return new_tokens * (cached_tokens + 0.5 * new_tokens)
+
+
+def features(tokens: float, pairs: float, running: float) -> list[float]:
+    return [1.0, tokens / TOKEN_UNIT, pairs / PAIR_UNIT, running]
+
+
+@dataclass(frozen=True, slots=True)
+class Prior:
+    """Starting coefficients (seconds per feature unit) and how far one sample may move
+    them (standard deviations, same units)."""
+
+    coef: tuple[float, float, float, float]
+    sd: tuple[float, float, float, float]
+
+    @classmethod
+    def from_rates(
+        cls,
+        overhead_s: float,
+        prefill_tokens_per_s: float,
+        attention_s_per_pair: float,
+        running_step_s: float,
+    ) -> Prior:
+        coef = (
+            overhead_s,
+            TOKEN_UNIT / prefill_tokens_per_s,
+            attention_s_per_pair * PAIR_UNIT,
+            running_step_s,
+        )
+        # Each prior is uncertain to the scale of a plausible value of its term: an
+        # order of magnitude around a mid-range GPU (10k tokens/s prefill, 1e-9 s per
+        # attention pair, 1 ms per running request per step), so a handful of samples
+        # decide the fit and the prior only fills in what they cannot tell apart.
+        sd = (
+            max(overhead_s, 0.05),
+            max(coef[1], 0.1),
+            max(coef[2], 1e-2),
+            max(running_step_s, 1e-3),
+        )
+        return cls(coef, sd)
+
+
+Vector = list[float]
+Matrix = list[list[float]]
+
+
+def _diagonal(values: Vector) -> Matrix:
+    return [[v if i == j else 0.0 for j in range(N_FEATURES)] for i, v in enumerate(values)]
+
+
+@dataclass(slots=True)
+class LinearTTFT:
+    """Non-negative recursive least squares with forgetting on the four features.
+
+    Plain Python on 4-vectors: one update per answered request, no array library in the
+    gateway's start-up path."""
+
+    coef: Vector
+    cov: Matrix
+    cov_limit: Vector  # the prior variances: never exceeded unless a coefficient is larger
+    forgetting: float
+    samples: int = 0
+    residual_scale: float = 0.0  # running mean |relative residual|
+    bias: float = 0.0  # running mean relative residual, signed
+    # `coef` as a tuple for the scoring loop.
+    c: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+
+    @classmethod
+    def from_prior(cls, prior: Prior, forgetting: float) -> LinearTTFT:
+        var = [sd * sd for sd in prior.sd]
+        model = cls(list(prior.coef), _diagonal(var), var, forgetting)
+        model._sync()
+        return model
+
+    def copy(self) -> LinearTTFT:
+        """The same coefficients with the prior's uncertainty: a start for another pod,
+        which may well differ from the pool it is compared with."""
+        return LinearTTFT(
+            list(self.coef),
+            _diagonal(self._variance_limit()),
+            self.cov_limit,
+            self.forgetting,
+            0,
+            self.residual_scale,
+            0.0,
+            self.c,
+        )
+
+    def _variance_limit(self) -> Vector:
+        """Most uncertainty allowed per coefficient: the prior's, or its own size when
+        larger, so a pod far from the prior can still move by its own scale."""
+        return [max(lim, c * c) for lim, c in zip(self.cov_limit, self.coef, strict=True)]
+
+    def _sync(self) -> None:
+        c = self.coef
+        self.c = (c[0], c[1], c[2], c[3])
+
+    def predict(self, tokens: float, pairs: float, running: float) -> float:
+        c0, c1, c2, c3 = self.c
+        return c0 + c1 * tokens / TOKEN_UNIT + c2 * pairs / PAIR_UNIT + c3 * running
+
+    def observe(self, ttft_s: float, tokens: float, pairs: float, running: float) -> None:
+        x = features(tokens, pairs, running)
+        predicted = sum(c * v for c, v in zip(self.coef, x, strict=True))
+        # Relative errors: a 30 s TTFT off by 1 s and a 30 ms one off by 1 ms weigh the
+        # same, so long prompts do not drown out the short ones.
+        weight = 1.0 / (RELATIVE_NOISE * max(predicted, 1e-3))
+        x = [v * weight for v in x]
+        residual = (ttft_s - predicted) * weight
+        # Residuals beyond 4x their running scale (and beyond 100%) are clipped: a real
+        # change still moves the fit within a few samples, one outlier cannot flip it.
+        if self.samples >= 4:
+            bound = max(4.0 * self.residual_scale, 1.0 / RELATIVE_NOISE)
+            residual = min(bound, max(-bound, residual))
+        # A run of errors of one sign means the pod changed (slower, faster, a different
+        # model): forget the old fit's confidence so the next samples decide.
+        self.bias += 0.2 * (residual - self.bias)
+        if self.samples >= 3 and abs(self.bias) > 0.25 / RELATIVE_NOISE:
+            self.cov = _diagonal(self._variance_limit())
+            self.bias = 0.0
+        lam = self.forgetting
+        n = N_FEATURES
+        cov = self.cov
+        px = [sum(cov[i][k] * x[k] for k in range(n)) for i in range(n)]
+        denom = lam + sum(x[i] * px[i] for i in range(n))
+        gain = [v / denom for v in px]
+        self.coef = [max(0.0, c + g * residual) for c, g in zip(self.coef, gain, strict=True)]
+        new = [[(cov[i][j] - gain[i] * px[j]) / lam for j in range(n)] for i in range(n)]
+        # Forgetting inflates the covariance along directions the features never
+        # explore; holding each variance within its prior keeps the state bounded.
+        limit = self._variance_limit()
+        scale = [(limit[i] / new[i][i]) ** 0.5 if new[i][i] > limit[i] else 1.0 for i in range(n)]
+        self.cov = [
+            [0.5 * (new[i][j] + new[j][i]) * scale[i] * scale[j] for j in range(n)]
+            for i in range(n)
+        ]
+        self.samples += 1
+        self.residual_scale += (abs(residual) - self.residual_scale) / min(self.samples, 32)
+        self._sync()
+
+
+@dataclass(slots=True)
+class Inflight:
+    """A request sent to a pod and not answered yet: its own prefill work."""
+
+    tokens: float
+    pairs: float
+    routed_at: float
+    prefill_s: float  # its own predicted prefill time
+    done_at: float  # when the model expected its first token
+    admitted_at: float | None = None  # the first scrape that no longer counted it waiting
+
+
+@dataclass(slots=True)
+class PodQueue:
+    """The requests this gateway sent a pod and has not seen answered, in sending order."""
+
+    items: dict[str, Inflight] = field(default_factory=dict)
+
+    def ahead(
+        self, now: float, waiting: int | None, scraped_at: float
+    ) -> tuple[float, float, int, int]:
+        """(tokens, attention pairs, requests) of prefill still ahead of a new request, and
+        how many of the scraped waiting requests were not this gateway's.
+
+        With a scrape, the pod says how many requests were waiting then: vLLM admits in
+        arrival order, so they are the newest of this gateway's requests sent before it,
+        and every request sent since is waiting too. Without one (`waiting` None), each
+        request is taken to drain over its own predicted prefill, ending at its
+        predicted first token.
+        """
+        tokens = pairs = 0.0
+        count = 0
+        if waiting is None:
+            # Newest first: predicted first tokens come in sending order, so the first
+            # one already past ends the search.
+            for item in reversed(self.items.values()):
+                left = item.done_at - now
+                if left <= 0:
+                    break
+                frac = 1.0 if left >= item.prefill_s else left / item.prefill_s
+                tokens += frac * item.tokens
+                pairs += frac * item.pairs
+                count += 1
+            return tokens, pairs, count, 0
+        for item in reversed(self.items.values()):
+            if item.routed_at <= scraped_at:
+                if waiting > 0:
+                    waiting -= 1
+                else:
+                    # Admitted by the time of the scrape, so perhaps part-way through a
+                    # long (chunked) prefill: what its own predicted prefill has left.
+                    # Older requests were admitted earlier, so the first one done ends
+                    # the search.
+                    if item.admitted_at is None:
+                        item.admitted_at = scraped_at
+                    left = item.admitted_at + item.prefill_s - now
+                    if left <= 0:
+                        break
+                    frac = left / item.prefill_s
+                    tokens += frac * item.tokens
+                    pairs += frac * item.pairs
+                    continue
+            tokens += item.tokens
+            pairs += item.pairs
+            count += 1
+        return tokens, pairs, count, waiting
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What was ahead of a request on its pod when it was sent: the learner's features."""
+
+    tokens_ahead: float
+    pairs_ahead: float
+    running: float
+
+
+class TTFTLearner:
+    """Per-pod TTFT models plus the pool-wide prior they start from, with bounded state."""
+
+    def __init__(
+        self, prior: Prior, forgetting: float = 0.97, max_pods: int = 4096, own_after: int = 8
+    ) -> None:
+        self.prior = prior
+        self.forgetting = forgetting
+        self.own_after = own_after
+        self.max_pods = max_pods
+        self.pool = LinearTTFT.from_prior(prior, forgetting)
+        self.pods: dict[str, LinearTTFT] = {}
+
+    def model(self, address: str) -> LinearTTFT:
+        """The pod's own fit once it rests on `own_after` answers, else the pool's: a
+        handful of samples tells a pod's noise more than its speed."""
+        own = self.pods.get(address)
+        return own if own is not None and own.samples >= self.own_after else self.pool
+
+    def observe(
+        self,
+        address: str,
+        ttft_s: float,
+        prompt_tokens: int,
+        cached_tokens: int,
+        ahead: Snapshot,
+    ) -> None:
+        """One answered request: its measured TTFT, its prompt and cached tokens, and what
+        was ahead of it on the pod when it was sent."""
+        if ttft_s <= 0 or prompt_tokens <= 0:
+            return
+        cached = min(max(0, cached_tokens), prompt_tokens - 1)
+        own = float(prompt_tokens - cached)
+        tokens = ahead.tokens_ahead + own
+        pairs = ahead.pairs_ahead + attention_pairs(own, cached)
+        model = self.pods.get(address)
+        if model is None:
+            if len(self.pods) >= self.max_pods:
+                self.pods.pop(next(iter(self.pods)))
+            model = self.pods[address] = self.pool.copy()
+        model.observe(ttft_s, tokens, pairs, ahead.running)
+        self.pool.observe(ttft_s, tokens, pairs, ahead.running)
+
+    def coefficients(self, address: str) -> Sequence[float]:
+        """(s, s per 1k tokens, s per 1M pairs, s per running request) for the pod."""
+        return self.model(address).c

@@ -1,0 +1,151 @@
+"""The online TTFT learner: it recovers known cost coefficients, stays bounded, follows a
+pod that slows down, and reads the queue ahead from the pod's scraped waiting count."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from smart_epp.scorers.ttft_model import (
+    Inflight,
+    PodQueue,
+    Prior,
+    Snapshot,
+    TTFTLearner,
+    attention_pairs,
+)
+
+# A pod whose true cost is 10 ms + 40 us per token + 1.05 ns per attention pair + 0.3 ms per
+# running request (an H100-like prefill with Llama-3-8B's attention cost).
+TRUE = (0.010, 40e-6, 1.05e-9, 0.0003)
+
+
+def true_ttft(tokens: float, pairs: float, running: float, coef=TRUE) -> float:
+    return coef[0] + coef[1] * tokens + coef[2] * pairs + coef[3] * running
+
+
+def synthetic(rng: random.Random, coef=TRUE, noise: float = 0.03):
+    """One observation: prompt, cached, what was ahead, and the TTFT it took."""
+    prompt = rng.randint(100, 60_000)
+    cached = rng.randint(0, prompt - 1) if rng.random() < 0.5 else 0
+    tokens_ahead = rng.choice([0, 0, rng.randint(0, 50_000)])
+    pairs_ahead = tokens_ahead * rng.randint(0, 20_000)
+    running = rng.randint(0, 40)
+    own = prompt - cached
+    ttft = true_ttft(
+        tokens_ahead + own, pairs_ahead + attention_pairs(own, cached), running, coef
+    ) * (1 + rng.gauss(0, noise))
+    return ttft, prompt, cached, Snapshot(tokens_ahead, pairs_ahead, running)
+
+
+def learner() -> TTFTLearner:
+    # The scorer's default priors: 10k tokens/s, attention unknown (0).
+    return TTFTLearner(Prior.from_rates(0.005, 10_000, 0.0, 0.0005), forgetting=0.97)
+
+
+def test_attention_pairs_count_causal_query_key_pairs():
+    # 4 new tokens after 2 cached: token k (0-based) attends to 2 + k + 1 keys.
+    assert attention_pairs(4, 2) == sum(2 + k + 1 for k in range(4)) - 4 / 2
+    assert attention_pairs(1000, 0) == 500_000
+
+
+def test_recovers_linear_and_quadratic_coefficients():
+    rng = random.Random(0)
+    model = learner()
+    for _ in range(300):
+        model.observe("a:1", *synthetic(rng))
+    _, per_ktoken, per_mpair, _ = model.coefficients("a:1")
+    assert per_ktoken == pytest.approx(TRUE[1] * 1e3, rel=0.1)
+    assert per_mpair == pytest.approx(TRUE[2] * 1e6, rel=0.1)
+    # And it predicts a long cold prompt (mostly attention) and a short one well.
+    m = model.model("a:1")
+    for prompt in (2_000, 100_000):
+        expected = true_ttft(prompt, attention_pairs(prompt, 0), 4)
+        assert m.predict(prompt, attention_pairs(prompt, 0), 4) == pytest.approx(expected, rel=0.1)
+
+
+def test_state_stays_bounded_and_non_negative():
+    model = learner()
+    # The same sample forever: no information on three of four directions, which plain
+    # RLS with forgetting would let the covariance blow up along.
+    for _ in range(5_000):
+        model.observe("a:1", 0.05, 1000, 0, Snapshot(0.0, 0.0, 0.0))
+    m = model.model("a:1")
+    limit = np.maximum(m.cov_limit, np.square(m.coef))
+    assert np.all(np.diag(m.cov) <= limit * (1 + 1e-9))
+    assert np.all(np.isfinite(m.cov)) and np.all(np.array(m.coef) >= 0)
+    assert m.predict(1000, attention_pairs(1000, 0), 0) == pytest.approx(0.05, rel=0.01)
+    # Nonsense observations (a negative TTFT would ask for negative costs) are clipped.
+    for _ in range(100):
+        model.observe("a:1", 1e-6, 50_000, 0, Snapshot(0.0, 0.0, 30.0))
+    assert np.all(np.array(model.model("a:1").coef) >= 0)
+    # Bounded number of pods: the oldest model goes.
+    small = TTFTLearner(model.prior, max_pods=3)
+    for i in range(10):
+        small.observe(f"p{i}:1", 0.05, 1000, 0, Snapshot(0.0, 0.0, 0.0))
+    assert list(small.pods) == ["p7:1", "p8:1", "p9:1"]
+
+
+def test_a_pod_that_slows_down_is_noticed_within_fifteen_requests():
+    rng = random.Random(1)
+    model = learner()
+    for _ in range(200):
+        model.observe("a:1", *synthetic(rng))
+    slow = tuple(c * 2 for c in TRUE)  # e.g. thermal throttling or a noisy neighbour
+    probe = (8_000, attention_pairs(8_000, 0), 4)
+    noticed_after = None
+    for n in range(1, 16):
+        model.observe("a:1", *synthetic(rng, slow))
+        if model.model("a:1").predict(*probe) >= 0.85 * true_ttft(*probe, slow):
+            noticed_after = n
+            break
+    assert noticed_after is not None, "still predicting the old speed after 15 requests"
+
+
+def test_one_outlier_does_not_flip_the_fit():
+    rng = random.Random(2)
+    model = learner()
+    for _ in range(100):
+        model.observe("a:1", *synthetic(rng))
+    probe = (8_000, attention_pairs(8_000, 0), 4)
+    before = model.model("a:1").predict(*probe)
+    model.observe("a:1", 60.0, 8_000, 0, Snapshot(0.0, 0.0, 4.0))  # a paused request
+    assert model.model("a:1").predict(*probe) == pytest.approx(before, rel=0.25)
+
+
+def test_a_new_pod_starts_from_what_its_peers_showed():
+    rng = random.Random(3)
+    model = learner()
+    for _ in range(200):
+        model.observe("a:1", *synthetic(rng))
+    # Never answered: the pool-wide model predicts for it, not the configured prior.
+    probe = (8_000, attention_pairs(8_000, 0), 4)
+    assert model.model("new:1").predict(*probe) == pytest.approx(true_ttft(*probe), rel=0.15)
+
+
+def item(tokens: float, routed_at: float, prefill_s: float = 1.0) -> Inflight:
+    return Inflight(tokens, attention_pairs(tokens, 0), routed_at, prefill_s, routed_at + 10)
+
+
+def test_queue_ahead_follows_the_scraped_waiting_count():
+    q = PodQueue()
+    for i, tokens in enumerate((1000, 2000, 3000, 4000)):
+        q.items[f"r{i}"] = item(tokens, routed_at=float(i), prefill_s=1.0)
+    q.items["r0"].admitted_at = 0.5  # an earlier scrape saw it admitted
+    # Scraped at 2.5 with one request waiting: of the three sent before, the newest
+    # (3000) waits; 4000 was sent after the scrape; 2000 was first seen admitted at 2.5
+    # and at 3.0 has half of its 1 s predicted prefill left; 1000's prefill is over.
+    tokens, pairs, count, others = q.ahead(now=3.0, waiting=1, scraped_at=2.5)
+    assert tokens == pytest.approx(3000 + 4000 + 0.5 * 2000)
+    assert pairs == pytest.approx(
+        attention_pairs(3000, 0) + attention_pairs(4000, 0) + 0.5 * attention_pairs(2000, 0)
+    )
+    assert (count, others) == (2, 0)
+    # More waiting than this gateway sent: the rest came from elsewhere.
+    assert q.ahead(now=3.0, waiting=5, scraped_at=2.5)[2:] == (4, 2)
+    # Without a scrape each request drains over its predicted prefill before its
+    # predicted first token (routed_at + 10).
+    tokens, _, count, _ = q.ahead(now=11.5, waiting=None, scraped_at=0.0)
+    assert count == 2 and tokens == pytest.approx(0.5 * 3000 + 1.0 * 4000)
