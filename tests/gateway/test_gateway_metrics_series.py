@@ -33,7 +33,7 @@ def value(found: dict, series: str, **labels: str) -> float:
 
 
 async def test_request_and_pool_series_follow_the_requests() -> None:
-    async with gateway("full-duplex") as gw:
+    async with gateway("full-duplex", response_path="ext-proc") as gw:
         a, b = gw.backends
         gw.datastore.get(a.address).metrics = PodMetrics(
             waiting=4, running=2, kv_usage=0.5, scraped_at=1.0

@@ -107,7 +107,9 @@ async def test_one_request_is_traced_through_envoy_to_an_otlp_receiver() -> None
         await server.start(grpc_port=0, health_port=0, metrics_port=None, host="127.0.0.1")
         try:
             async with (
-                async_running_envoy(epp_port=server.grpc_port, secure_serving=False) as envoy,
+                async_running_envoy(
+                    epp_port=server.grpc_port, secure_serving=False, response_path="ext-proc"
+                ) as envoy,
                 aiohttp.ClientSession() as http,
             ):
                 body = {"model": "tiny", "stream": True,

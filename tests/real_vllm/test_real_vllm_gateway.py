@@ -175,7 +175,10 @@ def gateway(vllm_pods, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gat
 
     try:
         wait_until(epp_up, timeout=30, what="epp serve to answer on its metrics port")
-        with running_envoy(epp_port=grpc_port, body_mode="buffered") as envoy:
+        # The ext-proc response path: the picker reads each response's usage (the audit).
+        with running_envoy(
+            epp_port=grpc_port, body_mode="buffered", response_path="ext-proc"
+        ) as envoy:
             wait_until(envoy.epp_healthy, timeout=30, what="Envoy to see epp healthy")
             yield Gateway(envoy, metrics_url, tuple(vllm_pods), log_path)
     finally:
