@@ -11,6 +11,7 @@ import sys
 SUBCOMMAND_MODULES = (
     "smart_epp.epp.serve_cmd",
     "smart_epp.epp.envoy_cmd",
+    "smart_epp.epp.audit_cmd",
     "smart_epp.benchmarks.sim.cli",
     "smart_epp.benchmarks.replay.cli",
     "smart_epp.benchmarks.calibrate.cli",

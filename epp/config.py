@@ -1,9 +1,16 @@
 """EndpointPickerConfig: the Gateway API Inference Extension's scheduler configuration.
 
 A config lists plugins (`name`, `type`, `parameters`) and scheduling profiles that
-reference them (`pluginRef`, `weight`). Configs written for the Inference Extension or
-llm-d load unchanged; smart-epp's own plugins use the same shape. Every problem found is
-reported at once, each with its field path and its line/column in the YAML source.
+reference them (`pluginRef`, `weight`). Configs written for the Inference Extension
+(`inference.networking.x-k8s.io`) or llm-d's router (`llm-d.ai/v1alpha1`, with its
+`dataLayer`, `parser` and `requestHandler` sections) load unchanged; smart-epp's own
+plugins use the same shape. Every problem found is reported at once, each with its field
+path and its line/column in the YAML source.
+
+Nothing is silently ignored: a field is honoured, or refused with the reason. Upstream
+parameters that smart-epp satisfies by design are accepted and listed in
+`LoadedConfig.notes` (logged when `epp serve` starts). The `flowControl` and
+`saturationDetector` sections belong to the flow-control layer.
 
 Plugin types come from the framework's registry; importing the scorers' catalog here
 registers every built-in type before any config is read.
@@ -12,7 +19,7 @@ registers every built-in type before any config is read.
 from __future__ import annotations
 
 import importlib.resources
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +27,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..framework.plugins import Filter, Picker, Plugin, Scorer
+from ..framework.plugins import Filter, Picker, Plugin, ProfileHandler, Scorer
 from ..framework.registry import registered_plugins
 from ..scorers import catalog  # noqa: F401  (registers the built-in plugins)
 from .flowcontrol.settings import (
@@ -30,10 +37,12 @@ from .flowcontrol.settings import (
     SaturationDetectorRef,
     gate_enabled,
 )
+from .upstream_plugins import FEATURE_GATES, NOT_IMPLEMENTED
 
 API_VERSIONS = (
     "inference.networking.x-k8s.io/v1alpha1",
     "inference.networking.k8s.io/v1alpha1",
+    "llm-d.ai/v1alpha1",
 )
 BUILTIN_CONFIGS = ("default", "gie-default", "llmd-precise", "default-flow-control")
 DEFAULT_PICKER = "max-score-picker"
@@ -73,18 +82,44 @@ class SchedulingProfile(_Strict):
     plugins: list[ProfilePluginRef] = Field(default_factory=list)
 
 
+class PluginRef(_Strict):
+    pluginRef: str = Field(min_length=1)
+
+
+class DataLayerSource(_Strict):
+    pluginRef: str = Field(min_length=1)
+    extractors: list[PluginRef] = Field(default_factory=list)
+
+
+class DataLayerConfig(_Strict):
+    """llm-d's data layer: which sources feed the datastore and what is read from them."""
+
+    injectDefaults: bool | None = None
+    sources: list[DataLayerSource] = Field(default_factory=list)
+    discovery: PluginRef | None = None
+    peerDiscovery: PluginRef | None = None
+    crossReplicaSyncerPluginRef: str | None = None
+    crossReplicaSyncInterval: str | None = None
+
+
+class RequestHandlerConfig(_Strict):
+    parsers: list[PluginRef] = Field(default_factory=list)
+
+
 class EndpointPickerConfig(_Strict):
     apiVersion: Literal[API_VERSIONS] = API_VERSIONS[0]  # type: ignore[valid-type]
     kind: Literal["EndpointPickerConfig"] = "EndpointPickerConfig"
     plugins: list[PluginSpec] = Field(min_length=1)
     schedulingProfiles: list[SchedulingProfile] = Field(default_factory=list)
-    # "flowControl" turns flow control on, as in llm-d; other gates are accepted.
+    # "flowControl" turns flow control on, as in llm-d; other gates are checked.
     featureGates: list[str] | None = None
     flowControl: FlowControlSpec | None = None
     # The older top-level form (a pluginRef, or the Inference Extension's inline thresholds).
     saturationDetector: SaturationDetectorRef | None = None
-    # Accepted for compatibility; smart-epp configures these elsewhere.
-    data: dict[str, Any] | None = None
+    dataLayer: DataLayerConfig | None = None
+    data: DataLayerConfig | None = None  # the Inference Extension's earlier name
+    parser: PluginRef | None = None  # deprecated upstream for requestHandler.parsers
+    requestHandler: RequestHandlerConfig | None = None
 
 
 # --------------------------------------------------------------------------- errors
@@ -156,7 +191,11 @@ class LoadedConfig:
     config: EndpointPickerConfig
     source: str
     plugin_params: dict[str, Any] = field(default_factory=dict)  # ref -> Params instance
-    warnings: list[str] = field(default_factory=list)
+    # ref -> the type actually built, where it differs from the configured one (an
+    # llm-d prefix-cache-scorer fed by a precise producer becomes the precise scorer).
+    built_types: dict[str, str] = field(default_factory=dict)
+    # Upstream settings accepted because smart-epp satisfies them by design, with why.
+    notes: list[str] = field(default_factory=list)
 
 
 def parse_config(text: str, source: str = "<string>") -> LoadedConfig:
@@ -195,10 +234,16 @@ def validate_config(
         refs[spec.ref] = i
         cls = registry.get(spec.type)
         if cls is None:
-            known = ", ".join(sorted(registry))
-            issues.append(
-                (("plugins", i, "type"), f"unknown plugin type {spec.type!r}; known: {known}")
-            )
+            reason = NOT_IMPLEMENTED.get(spec.type)
+            if reason is not None:
+                message = (
+                    f"plugin type {spec.type!r} is known upstream but not implemented in "
+                    f"smart-epp: {reason}"
+                )
+            else:
+                known = ", ".join(sorted(registry))
+                message = f"unknown plugin type {spec.type!r}; known: {known}"
+            issues.append((("plugins", i, "type"), message))
             continue
         try:
             params = cls.Params.model_validate(spec.parameters or {})
@@ -206,11 +251,13 @@ def validate_config(
             for err in exc.errors():
                 issues.append((("plugins", i, "parameters", *err["loc"]), err["msg"]))
             continue
-        extra = sorted((params.model_extra or {}).keys())
-        if extra:
-            loaded.warnings.append(
-                f"plugins[{i}] ({spec.ref}): parameters not used by smart-epp: {', '.join(extra)}"
-            )
+        for loc, message in check_parameters(spec, params):
+            if message.startswith(NOTE_PREFIX):
+                loaded.notes.append(
+                    f"plugins[{i}] ({spec.ref}).{loc}: {message[len(NOTE_PREFIX) :]}"
+                )
+            else:
+                issues.append((("plugins", i, "parameters", *loc.split(".")), message))
         loaded.plugin_params[spec.ref] = params
 
     for p, profile in enumerate(config.schedulingProfiles):
@@ -230,6 +277,15 @@ def validate_config(
     for p, name in enumerate(names):
         if names.index(name) != p:
             issues.append((("schedulingProfiles", p, "name"), f"duplicate profile name {name!r}"))
+    kinds = {
+        spec.ref: cls.kind
+        for spec in config.plugins
+        if (cls := registry.get(spec.type)) is not None
+    }
+    issues.extend(_check_profile_handler(config, registry))
+    issues.extend(_check_sections(config, kinds))
+    issues.extend(_check_feature_gates(config.featureGates or []))
+    issues.extend(_resolve_producers(config, loaded))
     if issues:
         raise _error(source, root, issues)
     return loaded
@@ -261,6 +317,231 @@ def _check_flow_control(
         loaded.warnings.append("flowControl.usageLimitPolicyPluginRef is not used by smart-epp")
     if spec is not None and spec.enableEviction:
         loaded.warnings.append("flowControl.enableEviction is not used by smart-epp")
+
+
+# --------------------------------------------------------------------------- field checks
+
+NOTE_PREFIX = "note: "
+
+
+def check_parameters(spec: PluginSpec, params: Any) -> list[tuple[str, str]]:
+    """Parameters the plugin does not declare: a note when upstream defines them and
+    smart-epp satisfies them by design, else an error. Returns (dotted path, message)."""
+    notes: Mapping[str, str] = type(params).upstream_notes
+    out: list[tuple[str, str]] = []
+
+    def judge(path: str) -> None:
+        reason = _note_for(notes, path)
+        if reason is not None:
+            out.append((path, NOTE_PREFIX + reason))
+        else:
+            out.append((path, f"not a parameter of {spec.type} in smart-epp"))
+
+    for key in sorted((params.model_extra or {}).keys()):
+        judge(key)
+    for key in sorted(type(params).nested_parameters):
+        raw = (spec.parameters or {}).get(key)
+        if not isinstance(raw, dict):
+            continue
+        declared = type(params).model_fields[key].annotation
+        for path in _leaf_paths(raw, key):
+            if _declared_leaf(declared, path):
+                continue
+            judge(path)
+    return out
+
+
+def _leaf_paths(value: Mapping[str, Any], prefix: str) -> list[str]:
+    out: list[str] = []
+    for k, v in value.items():
+        path = f"{prefix}.{k}"
+        if isinstance(v, dict) and v:
+            out.extend(_leaf_paths(v, path))
+        else:
+            out.append(path)
+    return out
+
+
+def _declared_leaf(annotation: Any, path: str) -> bool:
+    """True when a typed sub-model declares this leaf (it is then validated, not noted)."""
+    fields = getattr(annotation, "model_fields", None)
+    if fields is None:
+        for arg in getattr(annotation, "__args__", ()):
+            if getattr(arg, "model_fields", None) is not None:
+                fields = arg.model_fields
+                break
+    if fields is None:
+        return False
+    return path.split(".", 1)[1] in fields
+
+
+def _note_for(notes: Mapping[str, str], path: str) -> str | None:
+    if path in notes:
+        return notes[path]
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        wildcard = ".".join(parts[:cut]) + ".*"
+        if wildcard in notes:
+            return notes[wildcard]
+    return None
+
+
+def _check_profile_handler(
+    config: EndpointPickerConfig, registry: Mapping[str, type[Plugin]]
+) -> list[tuple[Loc, str]]:
+    handlers = [
+        (i, spec)
+        for i, spec in enumerate(config.plugins)
+        if (cls := registry.get(spec.type)) is not None and issubclass(cls, ProfileHandler)
+    ]
+    issues: list[tuple[Loc, str]] = []
+    for i, _spec in handlers[1:]:
+        issues.append((("plugins", i, "type"), "at most one profile handler per config"))
+    count = len(config.schedulingProfiles)
+    if handlers:
+        i, spec = handlers[0]
+        cls = registry[spec.type]
+        limit = cls.max_profiles  # type: ignore[attr-defined]
+        if count > limit:
+            issues.append(
+                (
+                    ("schedulingProfiles",),
+                    f"{spec.type} runs exactly {limit} profile per request; this config has "
+                    f"{count} (multi-profile handlers such as disagg-profile-handler are "
+                    "not implemented)",
+                )
+            )
+    elif count > 1 and not any(spec.type.endswith("profile-handler") for spec in config.plugins):
+        # (an unimplemented handler was already reported as such)
+        issues.append(
+            (
+                ("schedulingProfiles",),
+                f"{count} profiles but no profile handler to choose between them; smart-epp "
+                "runs one profile per request (single-profile-handler)",
+            )
+        )
+    return issues
+
+
+_SOURCE_KINDS = ("data-source",)
+_EXTRACTOR_KINDS = ("extractor", "producer")
+
+
+def _check_sections(
+    config: EndpointPickerConfig, kinds: Mapping[str, str]
+) -> list[tuple[Loc, str]]:
+    issues: list[tuple[Loc, str]] = []
+
+    def expect(loc: Loc, ref: str, wanted: tuple[str, ...], what: str) -> None:
+        kind = kinds.get(ref)
+        if kind is None:
+            if ref not in {spec.ref for spec in config.plugins}:
+                issues.append((loc, f"no plugin named {ref!r} in plugins"))
+        elif kind not in wanted:
+            issues.append((loc, f"{ref!r} is a {kind}, not a {what}"))
+
+    for section in ("dataLayer", "data"):
+        layer: DataLayerConfig | None = getattr(config, section)
+        if layer is None:
+            continue
+        if layer.injectDefaults is False:
+            issues.append(
+                (
+                    (section, "injectDefaults"),
+                    "smart-epp always scrapes each endpoint's /metrics; it cannot be turned off",
+                )
+            )
+        for s_i, src in enumerate(layer.sources):
+            expect(
+                (section, "sources", s_i, "pluginRef"), src.pluginRef, _SOURCE_KINDS, "data source"
+            )
+            for e_i, ext in enumerate(src.extractors):
+                loc: Loc = (section, "sources", s_i, "extractors", e_i, "pluginRef")
+                expect(loc, ext.pluginRef, _EXTRACTOR_KINDS, "extractor")
+        for name, why in (
+            ("discovery", "endpoints come from --endpoints-file, --endpoint or --pool-name"),
+            ("peerDiscovery", "replicas share state through Redis, not peer discovery"),
+            ("crossReplicaSyncerPluginRef", "replicas share the KV index through Redis"),
+            ("crossReplicaSyncInterval", "replicas share the KV index through Redis"),
+        ):
+            if getattr(layer, name) is not None:
+                issues.append(((section, name), f"not implemented in smart-epp: {why}"))
+    if config.parser is not None:
+        expect(("parser", "pluginRef"), config.parser.pluginRef, ("parser",), "parser")
+    if config.requestHandler is not None:
+        for p_i, ref in enumerate(config.requestHandler.parsers):
+            expect(
+                ("requestHandler", "parsers", p_i, "pluginRef"),
+                ref.pluginRef,
+                ("parser",),
+                "parser",
+            )
+    return issues
+
+
+def _check_feature_gates(gates: Sequence[str]) -> list[tuple[Loc, str]]:
+    issues: list[tuple[Loc, str]] = []
+    for g_i, gate in enumerate(gates):
+        name, _, value = gate.partition("=")
+        name = name.strip()
+        value = value.strip().lower() or "true"
+        loc: Loc = ("featureGates", g_i)
+        if name not in FEATURE_GATES:
+            known = ", ".join(sorted(FEATURE_GATES))
+            issues.append((loc, f"unknown feature gate {name!r}; known: {known}"))
+        elif value not in ("true", "false"):
+            issues.append((loc, f"a gate is `name`, `name=true` or `name=false`, not {gate!r}"))
+        elif value == "false" and name != "flowControl":
+            issues.append((loc, f"{name} cannot be turned off in smart-epp: {FEATURE_GATES[name]}"))
+    return issues
+
+
+PRECISE_PRODUCER = "precise-prefix-cache-producer"
+APPROX_PRODUCER = "approx-prefix-cache-producer"
+
+
+def _resolve_producers(config: EndpointPickerConfig, loaded: LoadedConfig) -> list[tuple[Loc, str]]:
+    """Builds each llm-d `prefix-cache-scorer` as the scorer its producer implies."""
+    issues: list[tuple[Loc, str]] = []
+    by_ref = {spec.ref: spec for spec in config.plugins}
+    approx = [spec for spec in config.plugins if spec.type == APPROX_PRODUCER]
+    for i, spec in enumerate(config.plugins):
+        if spec.type != "prefix-cache-scorer" or spec.ref not in loaded.plugin_params:
+            continue
+        params = loaded.plugin_params[spec.ref]
+        producer_name = params.prefixMatchInfoProducerName
+        producer = by_ref.get(producer_name) if producer_name else (approx[0] if approx else None)
+        if producer_name and producer is None:
+            issues.append(
+                (
+                    ("plugins", i, "parameters", "prefixMatchInfoProducerName"),
+                    f"no plugin named {producer_name!r} in plugins",
+                )
+            )
+            continue
+        if producer is None or producer.ref not in loaded.plugin_params:
+            continue
+        producer_params = loaded.plugin_params[producer.ref]
+        if producer.type == PRECISE_PRODUCER:
+            registry = plugin_types()
+            precise = registry["precise-prefix-cache-scorer"].Params
+            size = producer_params.block_size()
+            loaded.plugin_params[spec.ref] = precise.model_validate(
+                {"blockSize": size} if size else {}
+            )
+            loaded.built_types[spec.ref] = "precise-prefix-cache-scorer"
+        elif producer.type == APPROX_PRODUCER:
+            merged = {**producer_params.scorer_parameters(), **(spec.parameters or {})}
+            merged.pop("prefixMatchInfoProducerName", None)
+            loaded.plugin_params[spec.ref] = type(params).model_validate(merged)
+        else:
+            issues.append(
+                (
+                    ("plugins", i, "parameters", "prefixMatchInfoProducerName"),
+                    f"{producer_name!r} is a {producer.type}, not a prefix-match producer",
+                )
+            )
+    return issues
 
 
 def _error(source: str, root: yaml.Node | None, issues: list[tuple[Loc, str]]) -> ConfigError:
@@ -312,6 +593,7 @@ class Profile:
 class PluginSet:
     plugins: dict[str, Plugin]  # by ref, every plugin in the config (one instance each)
     profiles: list[Profile]
+    handler: ProfileHandler | None = None
 
     def of_type(self, type_name: str) -> list[Plugin]:
         return [p for p in self.plugins.values() if p.type_name == type_name]
@@ -327,8 +609,9 @@ def instantiate(loaded: LoadedConfig) -> PluginSet:
     registry = plugin_types()
     instances: dict[str, Plugin] = {}
     for spec in loaded.config.plugins:
-        cls = registry[spec.type]
+        cls = registry[loaded.built_types.get(spec.ref, spec.type)]
         instances[spec.ref] = cls(spec.ref, loaded.plugin_params[spec.ref])
+    handler = next((p for p in instances.values() if isinstance(p, ProfileHandler)), None)
 
     profile_specs: Iterable[SchedulingProfile] = loaded.config.schedulingProfiles or [
         SchedulingProfile(
@@ -357,4 +640,4 @@ def instantiate(loaded: LoadedConfig) -> PluginSet:
             cls = registry[DEFAULT_PICKER]
             picker = cls(DEFAULT_PICKER, cls.Params())  # type: ignore[assignment]
         profiles.append(Profile(spec.name, filters, scorers, picker))  # type: ignore[arg-type]
-    return PluginSet(instances, profiles)
+    return PluginSet(instances, profiles, handler)

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from ..framework.types import Api, LLMRequest
+from .chat_render import TEMPLATE_FIELDS
 from .errors import RequestError
 from .request_limits import RequestLimits, check_token_ids, normalize_path
 
@@ -102,6 +103,7 @@ def parse_request(
         _read_prompt(request, document, "input", required=True)
     elif api is Api.CHAT:
         request.messages = _chat_messages(document)
+        request.chat_template_args = _chat_template_args(document)
     elif api is Api.RESPONSES:
         _read_responses_input(request, document)
     return request
@@ -186,6 +188,43 @@ def _chat_messages(document: dict[str, Any]) -> list[dict]:
             raise RequestError.bad_request(f"'{where}.role' must be a string", where)
         _check_content(message.get("content"), where)
     return messages
+
+
+def _chat_template_args(document: dict[str, Any]) -> dict[str, Any] | None:
+    """The chat fields vLLM passes to the chat template, checked as vLLM checks them."""
+    args = {key: document[key] for key in TEMPLATE_FIELDS if document.get(key) is not None}
+    if not args:
+        return None
+    for key in ("add_generation_prompt", "continue_final_message"):
+        if key in args and not isinstance(args[key], bool):
+            raise RequestError.bad_request(f"'{key}' must be a boolean", key)
+    if args.get("add_generation_prompt") and args.get("continue_final_message"):
+        raise RequestError.bad_request(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            "continue_final_message",
+        )
+    kwargs = args.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise RequestError.bad_request(
+            "'chat_template_kwargs' must be an object", "chat_template_kwargs"
+        )
+    tools = args.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise RequestError.bad_request("'tools' must be a list", "tools")
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise RequestError.bad_request(
+                    f"'tools[{i}]' must be an object with a 'function' that has a 'name'",
+                    f"tools[{i}]",
+                )
+    documents = args.get("documents")
+    if documents is not None and (
+        not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents)
+    ):
+        raise RequestError.bad_request("'documents' must be a list of objects", "documents")
+    return args
 
 
 def _read_responses_input(request: LLMRequest, document: dict[str, Any]) -> None:

@@ -27,7 +27,13 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 
-from ..framework.plugins import OutcomeHook, Plugin, RoutingHook, SchedulingContext
+from ..framework.plugins import (
+    DecisionHook,
+    OutcomeHook,
+    Plugin,
+    RoutingHook,
+    SchedulingContext,
+)
 from ..framework.scheduling import PrefixMatcher, PromptTokenizer
 from ..framework.types import Decision, LLMRequest, Outcome, PodState, PrefixHit
 from ..kv_index.api import BlockIndex
@@ -37,6 +43,9 @@ from .config import LoadedConfig, PluginSet, Profile, instantiate, load_config
 from .tokenization import LocalTokenizer, PodTokenizer, TokenizerRouter
 
 log = logging.getLogger(__name__)
+
+# `SchedulingContext.kept` key: prompt tokens the KV index said the chosen pod holds.
+PREDICTED_CACHED_TOKENS = "prefix.predicted_cached_tokens"
 
 _BUCKETS = (
     0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005,
@@ -131,12 +140,17 @@ class PipelineScheduler:
         self.needs_prefix_hits = any(p.needs_prefix_hits for p in active)
         self._routing_hooks = [p for p in active if isinstance(p, RoutingHook)]
         self._outcome_hooks = [p for p in active if isinstance(p, OutcomeHook)]
+        self._decision_hooks = [p for p in active if isinstance(p, DecisionHook)]
+        if isinstance(plugins.handler, DecisionHook):
+            self._decision_hooks.append(plugins.handler)
         metrics = metrics or scheduler_metrics()
         plugin_timer = metrics.plugin
         self._e2e = metrics.e2e
         self._timers = {
             id(p): plugin_timer.labels(p.kind.capitalize(), p.type_name, p.name) for p in active
         }
+        # Per-request stage timings in the context, for tracing (off: nothing recorded).
+        self.record_timings = False
         self._tokenize_timer = plugin_timer.labels("Prepare", "tokenize", "tokenize")
         self._match_timer = plugin_timer.labels("Prepare", "prefix-match", "prefix-match")
 
@@ -162,6 +176,7 @@ class PipelineScheduler:
             token_ids=request.prompt_token_ids,
             rng=self.rng,
             explain=self._explaining(),
+            timings=[] if self.record_timings else None,
         )
         if self.needs_prefix_hits:
             ctx.block_sizes = {p.address: self._block_size(p) for p in candidates}
@@ -192,7 +207,10 @@ class PipelineScheduler:
                 ctx.token_ids = await self.tokenizer.tokenize(request, candidates)
             except Exception:  # no token ids means no cache information, never a 5xx
                 log.exception("tokenization failed; scheduling without cache information")
-            self._tokenize_timer.observe(time.perf_counter() - start)
+            end = time.perf_counter()
+            self._tokenize_timer.observe(end - start)
+            if ctx.timings is not None:
+                ctx.timings.append(("Prepare", "tokenize", "tokenize", start, end))
         self._count_prompt(ctx)
         if self.needs_prefix_hits and ctx.token_ids and self.prefix_matcher is not None:
             start = time.perf_counter()
@@ -202,7 +220,10 @@ class PipelineScheduler:
                 )
             except Exception:  # an index outage degrades to "nothing cached", never a 5xx
                 log.exception("prefix lookup failed; scheduling without cache information")
-            self._match_timer.observe(time.perf_counter() - start)
+            end = time.perf_counter()
+            self._match_timer.observe(end - start)
+            if ctx.timings is not None:
+                ctx.timings.append(("Prepare", "prefix-match", "index lookup", start, end))
         return ctx
 
     def prepare_sync(
@@ -252,12 +273,16 @@ class PipelineScheduler:
         timers = self._timers
         perf = time.perf_counter
         pods = list(candidates)
+        timings = ctx.timings
         for f in profile.filters:
             if not pods:
                 break
             t = perf()
             pods = f.filter(ctx, pods)
-            timers[id(f)].observe(perf() - t)
+            end = perf()
+            timers[id(f)].observe(end - t)
+            if timings is not None:
+                timings.append(("Filter", f.type_name, f.name, t, end))
 
         per_scorer: list[tuple[str, list[float]]] = []
         totals: list[float] = [0.0] * len(pods)
@@ -266,7 +291,10 @@ class PipelineScheduler:
             for scorer, weight in profile.scorers:
                 t = perf()
                 scores = scorer.score(ctx, pods)
-                timers[id(scorer)].observe(perf() - t)
+                end = perf()
+                timers[id(scorer)].observe(end - t)
+                if timings is not None:
+                    timings.append(("Scorer", scorer.type_name, scorer.name, t, end))
                 if first:
                     totals = scores if weight == 1.0 else [weight * s for s in scores]
                     first = False
@@ -276,7 +304,11 @@ class PipelineScheduler:
                     per_scorer.append((scorer.name, scores))
             t = perf()
             picked = profile.picker.pick(ctx, pods, totals)
-            timers[id(profile.picker)].observe(perf() - t)
+            end = perf()
+            timers[id(profile.picker)].observe(end - t)
+            if timings is not None:
+                picker = profile.picker
+                timings.append(("Picker", picker.type_name, picker.name, t, end))
             if self.fallbacks and len(picked) < len(pods):
                 picked = picked + self._fallbacks(pods, totals, picked)
         else:
@@ -285,6 +317,9 @@ class PipelineScheduler:
         decision = Decision(
             endpoints=picked, profile=profile.name, prompt_token_ids=ctx.token_ids, context=ctx
         )
+        if picked:
+            for hook in self._decision_hooks:
+                hook.on_decided(ctx, decision)
         if ctx.explain:
             decision.explain = self._explanation(ctx, pods, per_scorer, totals)
             log.debug(self._explain_line(ctx, decision))
@@ -336,6 +371,8 @@ class PipelineScheduler:
             return
         ctx.now = self.clock()
         chosen = decision.endpoints[0]
+        if ctx.prefix_hits is not None and ctx.token_ids is not None:
+            ctx.kept[PREDICTED_CACHED_TOKENS] = self._predicted_cached(ctx, chosen)
         for plugin in self._routing_hooks:
             plugin.on_routed(ctx, chosen)
         self._speculate(ctx, chosen)
@@ -346,6 +383,17 @@ class PipelineScheduler:
         ctx.prefix_hits = None
         ctx.scratch.clear()
         ctx.components.clear()
+
+    def _predicted_cached(self, ctx: SchedulingContext, chosen: PodState) -> int:
+        """The cached tokens the pod should report for this request, per the index: its
+        matched blocks, capped because vLLM always computes the prompt's last token."""
+        hits = ctx.prefix_hits or {}
+        hit = hits.get(chosen.address)
+        block = ctx.block_sizes.get(chosen.address) or self._block_size(chosen)
+        if hit is None or block <= 0 or ctx.prompt_tokens <= 0:
+            return 0
+        cacheable = (ctx.prompt_tokens - 1) // block * block
+        return min(hit.blocks * block, cacheable)
 
     def _speculate(self, ctx: SchedulingContext, chosen: PodState) -> None:
         speculate = getattr(self.prefix_matcher, "speculate", None)
@@ -395,7 +443,16 @@ def tokenizer_from_config(plugins: PluginSet, base_model: str | None = None) -> 
             cache_bytes=p.cacheBytes,
         )
     pod_settings = plugins.of_type("pod-tokenizer")
-    if pod_settings:
+    producers = plugins.of_type("token-producer")
+    if producers:
+        t = producers[0].params
+        fallback = PodTokenizer(
+            cache_bytes=t.cacheBytes,
+            timeout_s=t.timeout_seconds(),
+            server_url=t.vllm.url if t.vllm is not None else None,
+            server_model=t.modelName,
+        )
+    elif pod_settings:
         p = pod_settings[0].params
         fallback = PodTokenizer(cache_bytes=p.cacheBytes, timeout_s=p.timeoutSeconds)
     else:

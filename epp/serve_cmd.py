@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -53,6 +54,7 @@ from .k8s_discovery import (
 )
 from .model_catalog import ModelCatalog, ModelCatalogPoller, ServedModels
 from .model_routing import ServedModelFilter
+from .prefix_audit import PrefixAudit
 from .request_limits import DEFAULT_ALLOWED_PATHS, RequestLimits
 from .scheduler import build_scheduler
 from .scrape import MetricsScraper
@@ -114,6 +116,27 @@ class ServeOptions:
     allowed_paths: tuple[str, ...] = DEFAULT_ALLOWED_PATHS
     # Endpoints sent after the primary, for Envoy to retry on when the primary refuses.
     fallbacks: int = DEFAULT_FALLBACKS
+    # OTLP/gRPC collector for request traces; None = OTEL_EXPORTER_OTLP_ENDPOINT, if set.
+    otlp_endpoint: str | None = None
+
+
+def _start_tracing(
+    options: ServeOptions, flow: RequestFlow, server: EppServer, scheduler: Any
+) -> Any:
+    """Request traces over OTLP when an endpoint is configured; None (and nothing
+    imported or recorded) otherwise."""
+    endpoint = options.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not endpoint:
+        return None
+    from .tracing import RequestTracing
+
+    tracing = RequestTracing(endpoint)
+    flow.add_hook(tracing)
+    server.record_marks = True
+    if hasattr(scheduler, "record_timings"):
+        scheduler.record_timings = True
+    log.info("tracing: exporting request spans over OTLP/gRPC to %s", endpoint)
+    return tracing
 
 
 class _ForeignMetrics(Collector):
@@ -186,11 +209,16 @@ async def serve(
 ) -> None:
     """Runs the picker until `stop` is set (or SIGINT/SIGTERM when no event is given)."""
     loaded = load_config(options.config)  # a bad config fails before anything starts
+    for note in loaded.notes:
+        log.info("config %s: %s", loaded.source, note)
     # So do bad certificate files.
     credentials = None if options.tls is None else server_credentials(options.tls)
     datastore = Datastore()
     background = _Background()
-    metrics = GatewayMetrics(options.pool_name, lambda: len(datastore.ready_pods()))
+    metrics = GatewayMetrics(
+        options.pool_name, lambda: len(datastore.ready_pods()), datastore.ready_pods
+    )
+    metrics.record_config(loaded.source, loaded.config.apiVersion)
 
     index = _build_index(options)
     if isinstance(index, RedisBlockIndex):
@@ -269,7 +297,7 @@ async def serve(
         scheduler,
         datastore,
         destination_count=1 + options.fallbacks,
-        hooks=[ServedModelFilter(catalog)],
+        hooks=[ServedModelFilter(catalog), PrefixAudit(metrics.registry)],
         admission=admission,
     )
     scraper = MetricsScraper(
@@ -294,6 +322,7 @@ async def serve(
         ),
         metrics=metrics,
     )
+    tracing = _start_tracing(options, flow, server, scheduler)
     metrics.registry.register(_ForeignMetrics(REGISTRY, metrics.registry))
 
     datastore.add_listener(poller.on_endpoint_added, poller.on_endpoint_removed)
@@ -371,6 +400,8 @@ async def serve(
         # The pool, its signals and the index stay live while the drain still decides.
         if serving:
             await drain(server, options.drain_timeout_s, options.drain_notice_s)
+        if tracing is not None:  # after the drain, so the drained requests' spans go too
+            await asyncio.to_thread(tracing.close)
         await background.close()
         for stop_part in reversed(started):
             try:
@@ -679,6 +710,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the objective's requests sheddable (429 while the pool is saturated)",
     )
     parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="export one trace per request over OTLP/gRPC to this collector, e.g. "
+        "http://otel-collector:4317 (default: OTEL_EXPORTER_OTLP_ENDPOINT, else off)",
+    )
+    parser.add_argument(
         "--log-level",
         type=str.lower,
         choices=LOG_LEVELS,
@@ -759,6 +796,7 @@ def run(args: argparse.Namespace) -> int:
         record_traffic=args.record_traffic,
         record_prompts=args.record_prompts,
         objectives_file=args.objectives_file,
+        otlp_endpoint=args.otlp_endpoint,
     )
     run_event_loop(serve(options))
     return 0

@@ -75,9 +75,11 @@ class Exchange:
 
     __slots__ = (
         "_after",
+        "_arrived",
         "_awaits_log",
         "_body_parts",
         "_body_size",
+        "_forwarded",
         "_headers",
         "_labels",
         "_reader",
@@ -111,6 +113,9 @@ class Exchange:
         self._subset: list[str] | None = None
         self._unrouted: FlowRequest | None = None  # started, not routed yet (maybe queued)
         self._reader: UsageReader | None = None
+        self._arrived = 0.0  # when the first message came, recorded only for tracing
+        # Address Envoy dialled -> the pod it stands for, when the two differ.
+        self._forwarded: dict[str, str] = {}
         # Work to do once the replies are on their way to Envoy.
         self._after: Callable[[], None] | None = None
         # The outcome comes from the access log, not from this stream.
@@ -166,6 +171,8 @@ class Exchange:
     # -------------------------------------------------------------- request path
 
     async def _on_request_headers(self, event: px.RequestHeaders) -> list[px.Reply]:
+        if self.gw.record_marks:
+            self._arrived = time.perf_counter()
         self._headers = headers = event.headers
         self.request_id = headers.get("x-request-id", "")
         self._subset = event.subset
@@ -212,6 +219,7 @@ class Exchange:
         if not self.request_id:
             self.request_id = uuid.uuid4().hex
             extra_headers = (("x-request-id", self.request_id),)
+        parse_start = time.perf_counter() if gw.record_marks else 0.0
         request = parse_request(
             self._headers.get(":path", "/"),
             self._headers,
@@ -225,24 +233,43 @@ class Exchange:
         flow = self.flow
         tracked = flow.start(request)
         self._unrouted = tracked
+        if gw.record_marks:
+            tracked.marks = {"arrived": self._arrived or parse_start, "parse_start": parse_start}
         started = time.perf_counter()
         try:
             chosen = await flow.route(tracked, self._subset)
+        except RequestError:
+            gw.metrics.record_attempt(self._labels[1], None)
+            raise
         finally:
             self._unrouted = None
             gw.metrics.scheduler_e2e.observe(time.perf_counter() - started)
+        gw.metrics.record_attempt(self._labels[1], chosen[0].address)
         self.tracked = tracked
         self.phase = Phase.ROUTED
         if self.response_mode is BodyMode.NONE:
             # Registered before the reply leaves, so its record cannot arrive first.
             gw.response_log.expect(tracked)
             self._awaits_log = True
-        destination = chosen[0].address if len(chosen) == 1 else ",".join(p.address for p in chosen)
+        decision = tracked.decision
+        response_headers: tuple[tuple[str, str], ...] = ()
+        if decision is not None and (decision.forward or decision.request_headers):
+            # The request goes to another address than the pod's own (data-parallel
+            # ranks behind one port): remember how to map the served address back.
+            self._forwarded = {decision.destination_of(p.address): p.address for p in chosen}
+            destination = ",".join(decision.destination_of(p.address) for p in chosen)
+            extra_headers = (*extra_headers, *decision.request_headers)
+        else:
+            destination = (
+                chosen[0].address if len(chosen) == 1 else ",".join(p.address for p in chosen)
+            )
+        if decision is not None:
+            response_headers = decision.response_headers
         self._after = lambda: flow.routed(tracked)
 
         if not headers_phase:
-            return [px.route_in_body_phase(destination, extra_headers)]
-        replies = [px.route_in_headers_phase(destination, extra_headers)]
+            return [px.route_in_body_phase(destination, extra_headers, response_headers)]
+        replies = [px.route_in_headers_phase(destination, extra_headers, response_headers)]
         if self.request_mode is BodyMode.FULL_DUPLEX_STREAMED and (body_eos or body):
             replies.extend(px.streamed_request_body(body, end_of_stream=body_eos))
         return replies
@@ -287,6 +314,8 @@ class Exchange:
             self.status = status
         tracked = self.tracked
         if tracked is not None and served:
+            if self._forwarded:
+                served = self._forwarded.get(served, served)
             self.flow.served_by(tracked, served)
 
     def _on_response_headers(self, event: px.ResponseHeaders) -> list[px.Reply]:
@@ -369,11 +398,13 @@ class EppServer:
         self.options = options or ServerOptions()
         datastore = flow.datastore
         self.metrics = metrics or GatewayMetrics(
-            self.options.pool_name, lambda: len(datastore.ready_pods())
+            self.options.pool_name, lambda: len(datastore.ready_pods()), datastore.ready_pods
         )
         # Durations, token counts and response errors come from each request's outcome.
         flow.add_hook(self.metrics.outcome_recorder())
         self.response_log = ResponseLog(flow)
+        # Arrival and parse instants on each request, for tracing (off: not recorded).
+        self.record_marks = False
         self.grpc_port = 0
         self.health_port = 0
         self.metrics_port = 0

@@ -38,6 +38,13 @@ from tokenizers import Tokenizer
 
 from ..framework.scheduling import DEFAULT_TOKENIZER_CACHE_BYTES, PromptTokenizer
 from ..framework.types import LLMRequest, PodState
+from .chat_render import (
+    content_format,
+    normalize_messages,
+    normalize_tools,
+    template_kwargs,
+    trim_to_final_message,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +112,10 @@ def _pack(ids: Sequence[int]) -> TokenArray:
 def request_cache_key(request: LLMRequest) -> bytes | None:
     """A compact key for the prompt (a 128-bit digest, so long prompts stay cheap to keep)."""
     if request.messages is not None:
-        text = "chat\0" + json.dumps(request.messages, sort_keys=True, separators=(",", ":"))
+        chat: Any = request.messages
+        if request.chat_template_args:
+            chat = [request.messages, request.chat_template_args]
+        text = "chat\0" + json.dumps(chat, sort_keys=True, separators=(",", ":"))
     elif request.prompt is not None:
         text = "text\0" + request.prompt
     else:
@@ -162,6 +172,7 @@ class LocalTokenizer:
         self._template = (
             chat_template_environment().from_string(chat_template) if chat_template else None
         )
+        self._content_format = content_format(chat_template)
         self._special_tokens = dict(special_tokens or {})
         self._cache: LRUCache[bytes, TokenArray] = LRUCache(cache_bytes // 2, _ids_weight)
         self._segments: LRUCache[str, TokenArray] = LRUCache(cache_bytes // 2, _segment_weight)
@@ -256,13 +267,28 @@ class LocalTokenizer:
         return [*self._prefix, *body, *self._suffix] if add_special_tokens else body
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        template_args: Mapping[str, Any] | None = None,
     ) -> str:
+        """Renders a chat as vLLM does: its normalized conversation and tools, the
+        request's template arguments (`template_args`, the chat fields as sent)."""
         if self._template is None:
             raise ValueError("this model has no chat template")
-        return self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self._special_tokens
+        args = dict(template_args or {})
+        args.setdefault("add_generation_prompt", add_generation_prompt)
+        kwargs = template_kwargs(args)
+        conversation = normalize_messages(messages, self._content_format)
+        rendered = self._template.render(
+            messages=conversation,
+            tools=normalize_tools(args.get("tools")),
+            **{**self._special_tokens, **kwargs},
         )
+        if kwargs.get("continue_final_message"):
+            rendered = trim_to_final_message(rendered, conversation)
+        return rendered
 
     def tokenize_sync(self, request: LLMRequest) -> list[int] | None:
         if request.prompt_token_ids is not None:
@@ -277,7 +303,8 @@ class LocalTokenizer:
         if request.messages is not None:
             # vLLM tokenizes a rendered chat without adding special tokens: the template
             # already wrote them.
-            ids = self.encode(self.render_chat(request.messages), add_special_tokens=False)
+            rendered = self.render_chat(request.messages, template_args=request.chat_template_args)
+            ids = self.encode(rendered, add_special_tokens=False)
         else:
             ids = self.encode(request.prompt or "", add_special_tokens=True)
         self._cache.put(key, _pack(ids))
@@ -324,7 +351,13 @@ class PodTokenizer:
         session_factory: Callable[[], aiohttp.ClientSession] | None = None,
         attempts: int = 2,
         clock: Callable[[], float] = time.monotonic,
+        server_url: str | None = None,
+        server_model: str | None = None,
     ) -> None:
+        # A fixed tokenization server (e.g. a `vllm launch render` sidecar) instead of the
+        # candidate pods.
+        self._server_url = server_url.rstrip("/") if server_url else None
+        self._server_model = server_model  # the model name that server answers to
         self._cache: LRUCache[bytes, TokenArray] = LRUCache(cache_bytes, _ids_weight)
         self._clock = clock
         # Pods whose /tokenize failed are skipped for a while (doubling per failure), so a
@@ -350,11 +383,23 @@ class PodTokenizer:
     @staticmethod
     def tokenize_body(request: LLMRequest) -> dict[str, Any] | None:
         if request.messages is not None:
-            return {
+            body: dict[str, Any] = {
                 "model": request.model,
                 "messages": request.messages,
                 "add_generation_prompt": True,
             }
+            args = request.chat_template_args
+            if args:
+                # /tokenize takes tools and the generation flags itself; documents and
+                # reasoning settings only through chat_template_kwargs.
+                kwargs = template_kwargs(args)
+                body["add_generation_prompt"] = kwargs.pop("add_generation_prompt")
+                body["continue_final_message"] = kwargs.pop("continue_final_message")
+                if args.get("tools") is not None:
+                    body["tools"] = args["tools"]
+                if kwargs:
+                    body["chat_template_kwargs"] = kwargs
+            return body
         if request.prompt is not None:
             return {"model": request.model, "prompt": request.prompt}
         return None
@@ -372,35 +417,42 @@ class PodTokenizer:
         body = self.tokenize_body(request)
         if body is None:  # unreachable: a cache key implies a prompt or messages
             return None
+        if self._server_url is not None and self._server_model:
+            body["model"] = self._server_model
         now = self._clock()
         skip_until = self._skip_until
-        usable = [p for p in pods if p.ready] or list(pods)
-        ready = [p for p in usable if skip_until.get(p.address, 0.0) <= now]
+        if self._server_url is not None:
+            servers = [self._server_url]
+        else:
+            usable = [p for p in pods if p.ready] or list(pods)
+            servers = [f"http://{p.address}" for p in usable]
+        ready = [s for s in servers if skip_until.get(s, 0.0) <= now]
         if not ready:
             TOKENIZE_TOTAL.labels("pod", "unavailable").inc()
             return None
         for attempt in range(min(self._attempts, len(ready))):
-            pod = ready[(self._turn + attempt) % len(ready)]
-            ids = await self._ask(pod.address, body)
+            server = ready[(self._turn + attempt) % len(ready)]
+            ids = await self._ask(server, body)
             if ids is not None:
                 self._turn += 1
-                self._failures.pop(pod.address, None)
-                skip_until.pop(pod.address, None)
+                self._failures.pop(server, None)
+                skip_until.pop(server, None)
                 self._cache.put(key, _pack(ids))
                 TOKENIZE_TOTAL.labels("pod", "ok").inc()
                 return ids
-            failures = self._failures.get(pod.address, 0) + 1
-            self._failures[pod.address] = failures
-            skip_until[pod.address] = self._clock() + min(
+            failures = self._failures.get(server, 0) + 1
+            self._failures[server] = failures
+            skip_until[server] = self._clock() + min(
                 MAX_TOKENIZE_BACKOFF_S, FIRST_TOKENIZE_BACKOFF_S * 2 ** (failures - 1)
             )
         TOKENIZE_TOTAL.labels("pod", "error").inc()
         return None
 
     async def _ask(self, address: str, body: dict[str, Any]) -> list[int] | None:
+        """POSTs to `address` (a base URL such as http://10.0.0.5:8000)."""
         try:
             async with self._client().post(
-                f"http://{address}/tokenize",
+                f"{address}/tokenize",
                 data=_encode_json(body),
                 headers=_JSON_HEADERS,
                 timeout=self._timeout,

@@ -27,6 +27,9 @@ class FlowRequest:
     routed_at: float = 0.0
     first_byte_at: float | None = None
     outcome: Outcome | None = None  # set once, when the request ends
+    # Named instants on the flow's clock (e.g. when parsing began), recorded only when a
+    # hook needs them (tracing); None otherwise.
+    marks: dict[str, float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -19,20 +19,38 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from .types import LLMRequest, Outcome, PodState, PrefixHit
+from .types import Decision, LLMRequest, Outcome, PodState, PrefixHit
 
-PluginKind = Literal["filter", "scorer", "picker", "profile-handler", "tokenizer"]
+PluginKind = Literal[
+    "filter",
+    "scorer",
+    "picker",
+    "profile-handler",
+    "tokenizer",
+    "data-source",  # where pod signals come from (metrics scrape, discovery notifications)
+    "extractor",  # what is read out of a data source
+    "parser",  # how request bodies are parsed
+    "producer",  # per-request data for scorers (prefix matches)
+]
 
 
 class PluginParams(BaseModel):
     """Base of every plugin's `parameters` block.
 
-    Unknown keys are kept (and reported as warnings by the config loader) rather than
-    rejected, so a config written for another endpoint picker still loads when it sets an
-    option smart-epp does not implement.
+    Unknown keys are kept here so the config loader can report every one of them at once,
+    each with its line, as an error. Parameters that upstream endpoint pickers define and
+    that smart-epp satisfies by its own design (its index exports metrics, its block keys
+    do not depend on a hash seed, ...) are listed in `upstream_notes`, keyed by their dotted
+    path inside `parameters`, with the reason; the loader accepts them and reports the
+    reason once at start-up, so nothing is silently ignored. A dotted path ending in `.*`
+    accepts everything below it.
     """
 
     model_config = ConfigDict(extra="allow", populate_by_name=True, frozen=True)
+    upstream_notes: ClassVar[Mapping[str, str]] = {}
+    # Mapping-valued parameters whose keys the loader checks against `upstream_notes`
+    # (dotted paths below the parameter), e.g. llm-d's `indexerConfig`.
+    nested_parameters: ClassVar[frozenset[str]] = frozenset()
 
 
 @dataclass(slots=True)
@@ -56,6 +74,9 @@ class SchedulingContext:
     # Per-plugin state a routing hook keeps until the request's outcome (small records:
     # everything else in the context is dropped once the request is routed).
     kept: dict[str, Any] = field(default_factory=dict)
+    # (stage, plugin type, plugin name, start, end) on the perf_counter clock, for tracing;
+    # None (nothing recorded) unless the scheduler was asked to record timings.
+    timings: list[tuple[str, str, str, float, float]] | None = None
 
     def hit_tokens(self, address: str) -> int:
         """Prompt tokens pod `address` already holds, per the KV index."""
@@ -98,6 +119,15 @@ class OutcomeHook(ABC):
         """The request of `ctx` ended (normally, with an error, or on client reset)."""
 
 
+class DecisionHook(ABC):
+    """Opt-in: a plugin that adds to the decision once the picker has chosen (headers for
+    the request or the response, the address Envoy dials)."""
+
+    @abstractmethod
+    def on_decided(self, ctx: SchedulingContext, decision: Decision) -> None:
+        """`decision.endpoints[0]` is the chosen pod; the request has not left yet."""
+
+
 class Filter(Plugin):
     kind = "filter"
 
@@ -124,9 +154,14 @@ class Picker(Plugin):
 
 
 class ProfileHandler(Plugin):
-    """Chooses which profile(s) run; smart-epp runs one profile per request."""
+    """Chooses which profile(s) run for a request and how their results combine.
+
+    smart-epp runs one profile per request; a handler says how many profiles it can run
+    (`max_profiles`), and the config loader refuses configs with more.
+    """
 
     kind = "profile-handler"
+    max_profiles: ClassVar[int] = 1
 
 
 def min_max_inverted(values: Sequence[float]) -> list[float]:

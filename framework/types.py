@@ -114,6 +114,9 @@ class LLMRequest:
     prompt: str | None = None  # completions/embeddings/responses text prompt
     prompt_token_ids: list[int] | None = None  # when the client sent token ids
     messages: list[dict[str, Any]] | None = None  # chat messages, as sent
+    # Chat fields that reach the chat template (tools, documents, chat_template_kwargs,
+    # add_generation_prompt, continue_final_message, reasoning_effort), as sent.
+    chat_template_args: dict[str, Any] | None = None
     cache_salt: str | None = None
     max_tokens: int | None = None
     session_id: str | None = None  # from the x-session-id header, for session affinity
@@ -167,6 +170,17 @@ class Decision:
     # The scheduler's own per-request state (its SchedulingContext), handed back to it
     # with the outcome, so no scheduler keeps a table of requests in flight.
     context: Any = None
+    # Where Envoy must send the request when that differs from the pod's own address
+    # (pod address -> address to dial; data-parallel ranks behind one port).
+    forward: dict[str, str] = field(default_factory=dict)
+    # Headers to add to the request on its way to the pod.
+    request_headers: tuple[tuple[str, str], ...] = ()
+    # Headers for the client's response (e.g. a session token), handed to Envoy as
+    # `envoy.lb` dynamic metadata that the gateway config copies onto the response.
+    response_headers: tuple[tuple[str, str], ...] = ()
+
+    def destination_of(self, address: str) -> str:
+        return self.forward.get(address, address)
 
 
 @dataclass(slots=True)

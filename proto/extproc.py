@@ -114,27 +114,39 @@ def _routing_common(destination: str, extra_headers: Sequence[tuple[str, str]]) 
     )
 
 
-def _lb_metadata(destination: str) -> struct_pb2.Struct:
+def _lb_metadata(
+    destination: str, response_headers: Sequence[tuple[str, str]] = ()
+) -> struct_pb2.Struct:
     metadata = struct_pb2.Struct()
-    metadata.fields[LB_NAMESPACE].struct_value.fields[DESTINATION_HEADER].string_value = destination
+    fields = metadata.fields[LB_NAMESPACE].struct_value.fields
+    fields[DESTINATION_HEADER].string_value = destination
+    # Response headers travel as `envoy.lb` metadata: the gateway config's route copies
+    # them onto the response (`%DYNAMIC_METADATA(envoy.lb:<name>)%`), which costs no
+    # extra message per request.
+    for name, value in response_headers:
+        fields[name].string_value = value
     return metadata
 
 
 def _headers_phase_reply(
-    destination: str, extra_headers: Sequence[tuple[str, str]] = ()
+    destination: str,
+    extra_headers: Sequence[tuple[str, str]] = (),
+    response_headers: Sequence[tuple[str, str]] = (),
 ) -> ProcessingResponse:
     return ep.ProcessingResponse(
         request_headers=ep.HeadersResponse(response=_routing_common(destination, extra_headers)),
-        dynamic_metadata=_lb_metadata(destination),
+        dynamic_metadata=_lb_metadata(destination, response_headers),
     )
 
 
 def _body_phase_reply(
-    destination: str, extra_headers: Sequence[tuple[str, str]] = ()
+    destination: str,
+    extra_headers: Sequence[tuple[str, str]] = (),
+    response_headers: Sequence[tuple[str, str]] = (),
 ) -> ProcessingResponse:
     return ep.ProcessingResponse(
         request_body=ep.BodyResponse(response=_routing_common(destination, extra_headers)),
-        dynamic_metadata=_lb_metadata(destination),
+        dynamic_metadata=_lb_metadata(destination, response_headers),
     )
 
 
@@ -148,10 +160,11 @@ def _route(
     build: Callable[..., ProcessingResponse],
     destination: str,
     extra_headers: Sequence[tuple[str, str]],
+    response_headers: Sequence[tuple[str, str]] = (),
 ) -> Reply:
     # Replies that add headers (a generated request id) are unique to their request.
-    if extra_headers:
-        return build(destination, extra_headers)
+    if extra_headers or response_headers:
+        return build(destination, extra_headers, response_headers)
     reply = cache.get(destination)
     if reply is None:
         if len(cache) >= _ROUTING_CACHE_LIMIT:
@@ -161,15 +174,25 @@ def _route(
 
 
 def route_in_headers_phase(
-    destination: str, extra_headers: Sequence[tuple[str, str]] = ()
+    destination: str,
+    extra_headers: Sequence[tuple[str, str]] = (),
+    response_headers: Sequence[tuple[str, str]] = (),
 ) -> Reply:
     """The decision as the reply to the request headers (full-duplex, or bodiless requests)."""
-    return _route(_headers_phase_cache, _headers_phase_reply, destination, extra_headers)
+    return _route(
+        _headers_phase_cache, _headers_phase_reply, destination, extra_headers, response_headers
+    )
 
 
-def route_in_body_phase(destination: str, extra_headers: Sequence[tuple[str, str]] = ()) -> Reply:
+def route_in_body_phase(
+    destination: str,
+    extra_headers: Sequence[tuple[str, str]] = (),
+    response_headers: Sequence[tuple[str, str]] = (),
+) -> Reply:
     """The decision as the reply to a buffered request body."""
-    return _route(_body_phase_cache, _body_phase_reply, destination, extra_headers)
+    return _route(
+        _body_phase_cache, _body_phase_reply, destination, extra_headers, response_headers
+    )
 
 
 def streamed_request_body(body: bytes, end_of_stream: bool = True) -> list[Reply]:

@@ -1,6 +1,7 @@
 """Imports every built-in plugin module so each registers its type name."""
 
 from . import (  # noqa: F401
+    data_layer,
     kv_cache_utilization_scorer,
     label_selector_filter,
     load_aware_scorer,
@@ -8,9 +9,11 @@ from . import (  # noqa: F401
     lora_affinity_filter,
     lora_affinity_scorer,
     max_score_picker,
+    no_hit_lru_scorer,
     precise_prefix_cache_scorer,
     predicted_ttft_scorer,
     prefix_cache_scorer,
+    prefix_producers,
     profile_handler,
     queue_filters,
     queue_scorer,

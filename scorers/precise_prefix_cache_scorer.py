@@ -7,8 +7,9 @@ pod's raw score is that run in blocks, weighted by the slowest tier along it (`g
 scorer (`indexedScoresToNormalizedScoredPods`), raw scores are min-max normalised over
 the pods that hold any of the prompt: the best holder scores 1, the weakest holder 0, and
 every holder 1 when they hold equally much; pods holding nothing score 0.
-llm-d's indexer/KV-events settings are accepted and ignored: smart-epp runs its own
-index and subscribers.
+llm-d's indexer/KV-events settings are checked key by key: the block size is honoured,
+the rest is satisfied by smart-epp's own index and subscribers (`INDEX_NOTES` says how)
+and reported at start-up; an unknown key is an error.
 """
 
 from __future__ import annotations
@@ -16,11 +17,37 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..framework.plugins import PluginParams, SchedulingContext, Scorer
 from ..framework.registry import register_plugin
 from ..framework.types import PodState
+
+# llm-d's settings of its own indexer library, and why smart-epp needs none of them.
+INDEX_NOTES = {
+    "indexerConfig.kvBlockIndexConfig.*": (
+        "smart-epp's block index is chosen with --kv-index (memory or redis) and always "
+        "exports its metrics"
+    ),
+    "indexerConfig.prefixStoreConfig.*": "smart-epp keeps no separate prefix store",
+    "indexerConfig.tokenizersPoolConfig.*": (
+        "tokenization is configured by token-producer / local-tokenizer plugins"
+    ),
+    "indexerConfig.tokenProcessorConfig.hashSeed": (
+        "smart-epp keys blocks by token ids with its own hash, independent of the pods' "
+        "PYTHONHASHSEED"
+    ),
+    "tokenProcessorConfig.hashSeed": (
+        "smart-epp keys blocks by token ids with its own hash, independent of the pods' "
+        "PYTHONHASHSEED"
+    ),
+    "indexerConfig.tokenProcessorConfig.blockSize": "honoured as the fallback block size",
+    "indexerConfig.tokenProcessorConfig.blockSizeTokens": "honoured as the fallback block size",
+    "kvEventsConfig.*": (
+        "KV-event sockets come from the endpoints (pool file, pod annotations) or "
+        "`epp serve --kv-events-mode central --kv-events-bind`"
+    ),
+}
 
 
 class PrecisePrefixParams(PluginParams):
@@ -30,6 +57,16 @@ class PrecisePrefixParams(PluginParams):
     blockSize: int | None = Field(default=None, gt=0)
     indexerConfig: dict[str, Any] | None = None
     kvEventsConfig: dict[str, Any] | None = None
+    upstream_notes = INDEX_NOTES
+    nested_parameters = frozenset({"indexerConfig", "kvEventsConfig"})
+
+    @model_validator(mode="after")
+    def _indexer_block_size(self) -> PrecisePrefixParams:
+        nested = (self.indexerConfig or {}).get("tokenProcessorConfig") or {}
+        size = nested.get("blockSize") or nested.get("blockSizeTokens")
+        if self.blockSize is None and isinstance(size, int) and size > 0:
+            object.__setattr__(self, "blockSize", size)
+        return self
 
 
 @register_plugin()

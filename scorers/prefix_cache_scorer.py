@@ -45,6 +45,9 @@ class PrefixCacheParams(PluginParams):
     maxPrefixBlocksToMatch: int = Field(default=256, gt=0)
     maxPrefixTokensToMatch: int = Field(default=0, ge=0)
     lruCapacityPerServer: int = Field(default=31250, gt=0)
+    # The producer whose matches this scorer scores (llm-d); the loader builds the scorer
+    # that matches that producer's kind (approximate here, or precise from KV events).
+    prefixMatchInfoProducerName: str | None = None
 
     def block_chars(self, pod_block_size: int | None) -> int:
         if self.autoTune and pod_block_size:

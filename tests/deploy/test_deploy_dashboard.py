@@ -12,6 +12,7 @@ import smart_epp.epp.scrape
 import smart_epp.epp.tokenization
 import smart_epp.kv_index.metrics  # noqa: F401  (registers the KV series)
 from smart_epp.epp.gateway_metrics import GatewayMetrics
+from smart_epp.epp.prefix_audit import PrefixAudit
 from smart_epp.epp.scheduler import scheduler_metrics
 
 DASHBOARD = REPO / "deploy" / "dashboards" / "smart-epp.json"
@@ -25,6 +26,7 @@ SUFFIXES = {
 
 def exported_series() -> set[str]:
     gateway = GatewayMetrics()
+    PrefixAudit(gateway.registry)  # registered on the gateway's registry by `epp serve`
     own = CollectorRegistry()
     scheduler_metrics(own)
     names: set[str] = set()
@@ -42,7 +44,7 @@ def test_every_dashboard_query_names_an_exported_series() -> None:
     referenced = {
         name
         for expr in exprs
-        for name in re.findall(r"\b((?:inference|smart_epp)_[a-z_]+)\b", expr)
+        for name in re.findall(r"\b((?:inference|smart_epp|llm_d_epp)_[a-z_]+)\b", expr)
     }
     assert referenced, "the dashboard queries no smart-epp series"
     missing = referenced - exported_series()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from support.net import free_port
+from support.paths import TOOLS_TEMPLATE
 from vllm_pods import MODEL_DIR, PodConfig, VllmPod, ensure_vllm_python, start_pods
 
 LORA_ADAPTERS = (("lora-a", MODEL_DIR / "tiny-lora-a"), ("lora-b", MODEL_DIR / "tiny-lora-b"))
@@ -41,6 +42,8 @@ def pod_config(name: str, lora: bool = False) -> PodConfig:
         kv_port=free_port(),
         replay_port=free_port(),
         lora_modules=LORA_ADAPTERS if lora else (),
+        # Renders like the model's own template, plus tools and documents.
+        chat_template=TOOLS_TEMPLATE,
     )
 
 

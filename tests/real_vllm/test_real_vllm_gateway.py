@@ -31,6 +31,8 @@ from vllm_pods import (
     wait_healthy,
 )
 
+from smart_epp.epp.audit_cmd import parse_audit
+
 pytestmark = [pytest.mark.real_vllm, pytest.mark.envoy]
 
 EPP = [sys.executable, "-c", "from smart_epp.epp.cli import main; main()"]
@@ -173,7 +175,10 @@ def gateway(vllm_pods, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gat
 
     try:
         wait_until(epp_up, timeout=30, what="epp serve to answer on its metrics port")
-        with running_envoy(epp_port=grpc_port, body_mode="buffered") as envoy:
+        # The ext-proc response path: the picker reads each response's usage (the audit).
+        with running_envoy(
+            epp_port=grpc_port, body_mode="buffered", response_path="ext-proc"
+        ) as envoy:
             wait_until(envoy.epp_healthy, timeout=30, what="Envoy to see epp healthy")
             yield Gateway(envoy, metrics_url, tuple(vllm_pods), log_path)
     finally:
@@ -248,3 +253,71 @@ def test_restarted_pod_is_forgotten_and_routing_continues(
     for _ in range(4):
         code, body = gateway.post("/v1/completions", completion_body(unique_prompt("after"), 2))
         assert code == 200, body
+
+
+def audit_totals(gateway: Gateway) -> dict[str, int]:
+    pods = parse_audit(gateway.metrics())
+    return {
+        result: sum(getattr(a, result) for a in pods.values())
+        for result in ("exact", "over", "under")
+    }
+
+
+def test_live_audit_agrees_with_vllm_and_counts_an_induced_miss(gateway: Gateway) -> None:
+    before = audit_totals(gateway)
+    system = unique_prompt("audit-chat", words=300)
+    cases = [
+        ("/v1/completions", completion_body(unique_prompt("audit-completion", words=300))),
+        ("/v1/completions", {**completion_body(unique_prompt("audit-lora", words=300)),
+                             "model": "lora-a"}),
+        ("/v1/chat/completions", {"model": SERVED_MODEL, "max_tokens": 4, "temperature": 0,
+                                  "messages": [{"role": "system", "content": system},
+                                               {"role": "user", "content": "one"}]}),
+        # A tool-using chat: tokenized through a pod's /tokenize with its tools.
+        ("/v1/chat/completions", {"model": SERVED_MODEL, "max_tokens": 4, "temperature": 0,
+                                  "tool_choice": "none",
+                                  "tools": [{"type": "function", "function": {
+                                      "name": "lookup",
+                                      "description": unique_prompt("audit-tool", words=60)}}],
+                                  "messages": [{"role": "system", "content": system},
+                                               {"role": "user", "content": "two"}]}),
+    ]  # fmt: skip
+    reused = 0
+    for path, body in cases:
+        for _ in range(2):  # the second time from the cache the first one left
+            learned = gateway.stored_blocks(*gateway.pods)
+            status, response = gateway.post(path, body)
+            assert status == 200, response
+            reused += response["usage"]["prompt_tokens_details"]["cached_tokens"] or 0
+            gateway.wait_learned(gateway.pods, learned, new_full_blocks(response))
+    audited = 2 * len(cases)
+    wait_until(
+        lambda: sum(audit_totals(gateway).values()) >= sum(before.values()) + audited,
+        timeout=30,
+        what="every response to be audited",
+    )
+    after = audit_totals(gateway)
+    assert reused > 0
+    assert after == {**before, "exact": before["exact"] + audited}, gateway.log_tail()
+
+    # Induced miss: a request the pod refuses still leaves the picker's speculative entry
+    # for its prompt (it was routed), but the pod never computed it. The same prompt sent
+    # right away is predicted cached and is not.
+    prompt = unique_prompt("audit-miss", words=300)
+    # (a negative temperature passes the gateway's parser; vLLM refuses it)
+    status, refused = gateway.post("/v1/completions", completion_body(prompt, temperature=-1.0))
+    assert status == 400, refused
+    status, response = gateway.post("/v1/completions", completion_body(prompt))
+    assert status == 200, response
+    assert (response["usage"]["prompt_tokens_details"]["cached_tokens"] or 0) == 0
+    wait_until(
+        lambda: sum(audit_totals(gateway).values()) > sum(after.values()),
+        timeout=30,
+        what="the second request to be audited",
+    )
+    assert audit_totals(gateway) == {**after, "over": after["over"] + 1}, gateway.log_tail()
+    out = subprocess.run(
+        [*EPP, "audit", "--metrics", gateway.metrics_url], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0 and "exact" in out.stdout, out.stderr

@@ -14,9 +14,10 @@ import pytest
 import zmq.asyncio
 from prometheus_client import REGISTRY
 from support.net import async_wait_until
-from support.paths import TINY_MODEL
+from support.paths import TINY_MODEL, TOOLS_TEMPLATE
 from vllm_pods import BLOCK_SIZE, SERVED_MODEL, VllmPod, completion_body, unique_prompt
 
+from smart_epp.epp.chat_render import TEMPLATE_FIELDS
 from smart_epp.epp.tokenization import LocalTokenizer
 from smart_epp.framework.types import Api, Endpoint, LLMRequest
 from smart_epp.kv_index.lookup import IndexPrefixMatcher
@@ -59,6 +60,7 @@ class Audit:
             adapter=adapter,
             prompt=body.get("prompt"),
             messages=body.get("messages"),
+            chat_template_args={k: body[k] for k in TEMPLATE_FIELDS if k in body} or None,
         )
         token_ids = self.tokenizer.tokenize_sync(request)
         assert token_ids is not None
@@ -94,7 +96,11 @@ async def audit(vllm_pods, prediction_rows) -> AsyncIterator[Audit]:
                 labels=(("model", SERVED_MODEL),),
             )
         )
-    audit = Audit(index, LocalTokenizer.from_model_dir(TINY_MODEL), prediction_rows)
+    audit = Audit(
+        index,
+        LocalTokenizer.from_model_dir(TINY_MODEL, chat_template_file=TOOLS_TEMPLATE),
+        prediction_rows,
+    )
     try:
         # A first request per pod proves each subscription is live before predictions count.
         for pod in vllm_pods:
@@ -181,3 +187,35 @@ async def test_index_follows_evictions_of_a_full_cache(audit: Audit, pod_a: Vllm
     rows = audit.rows[-(len(prompts) + 3) :]
     assert [r[2] for r in rows] == [r[3] for r in rows], rows
     assert rows[-1][3] > 0
+
+
+async def test_index_predicts_cached_tokens_for_a_tool_calling_chat(
+    audit: Audit, pod_a: VllmPod
+) -> None:
+    system = unique_prompt("agent", words=120)
+    tools = [{"type": "function", "function": {
+        "name": "lookup", "description": unique_prompt("tool", words=40),
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]  # fmt: skip
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "find x"}]
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+            "function": {"name": "lookup", "arguments": "{\"q\": \"x\"}"}}]}  # fmt: skip
+    second = [*first, call, {"role": "tool", "tool_call_id": "1", "content": "x is 42"}]
+
+    def body(messages: list[dict], **extra: object) -> dict:
+        # tool_choice "none": the pods run no tool-call parser; the tools still reach the
+        # template.
+        fixed = {"temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                 "tool_choice": "none"}  # fmt: skip
+        return {"model": SERVED_MODEL, "messages": messages, "tools": tools, "max_tokens": 8,
+                **fixed, **extra}  # fmt: skip
+
+    plan = [
+        ("tool chat new", body(first)),
+        ("tool chat after the call", body(second)),
+        ("tool chat repeated", body(second)),
+        ("tool chat, thinking off", body(second, chat_template_kwargs={"enable_thinking": False})),
+    ]
+    results = [await audit.send(pod_a, name, b) for name, b in plan]
+    predicted, reported = zip(*results, strict=True)
+    assert predicted == reported, audit.rows
+    assert reported[0] == 0 and all(r > 0 for r in reported[1:])

@@ -68,6 +68,7 @@ class PodConfig:
     # compiling costs ~30 s on every start; events, hashes and metrics are the same.
     enforce_eager: bool = True
     extra_env: tuple[tuple[str, str], ...] = ()
+    chat_template: Path | None = None  # --chat-template; None = the model's own
 
     @property
     def address(self) -> str:
@@ -106,6 +107,8 @@ class PodConfig:
             "--enable-prompt-tokens-details",
             "--kv-events-config", json.dumps(kv_events),
         ]  # fmt: skip
+        if self.chat_template is not None:
+            args += ["--chat-template", str(self.chat_template)]
         if self.enforce_eager:
             args.append("--enforce-eager")
         if self.lora_modules:

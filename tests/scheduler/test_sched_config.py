@@ -109,11 +109,19 @@ def test_inference_extension_config_loads_unchanged():
     ]
     prefix = profile.scorers[0][0]
     assert prefix.params.block_chars(None) == 5  # the older parameter name is honoured
-    assert loaded.warnings == []
+    assert loaded.notes == []
 
 
-def test_llmd_config_loads_with_named_plugins_and_ignored_indexer_settings():
+def test_llmd_config_loads_with_named_plugins_and_reports_its_indexer_settings():
     loaded = parse_config(LLMD_SAMPLE)
+    # The block size is honoured; the hash seed and the ZMQ endpoint are reported with
+    # the reason smart-epp needs neither.
+    assert loaded.plugin_params["precise-prefix-cache-scorer"].blockSize == 64
+    assert [n.split(":")[0] for n in loaded.notes] == [
+        "plugins[2] (precise-prefix-cache-scorer).indexerConfig.tokenProcessorConfig.blockSize",
+        "plugins[2] (precise-prefix-cache-scorer).indexerConfig.tokenProcessorConfig.hashSeed",
+        "plugins[2] (precise-prefix-cache-scorer).kvEventsConfig.zmqEndpoint",
+    ]
     profile = instantiate(loaded).profiles[0]
     assert profile.name == "decode"
     assert [f.type_name for f in profile.filters] == ["decode-filter"]
@@ -137,12 +145,12 @@ plugins:
     assert instantiate(parse_config(text)).profiles[0].picker.type_name == "max-score-picker"
 
 
-def test_unknown_parameters_are_kept_as_warnings():
+def test_unknown_parameters_are_errors_naming_the_field_and_line():
     text = GIE_SAMPLE.replace("lruCapacityPerServer: 31250", "lruCapacityPerServr: 31250")
-    loaded = parse_config(text)
-    assert loaded.warnings == [
-        "plugins[1] (prefix-cache-scorer): parameters not used by smart-epp: lruCapacityPerServr"
-    ]
+    [(path, line, _, message)] = _issues(text)
+    assert path == "plugins[1].parameters.lruCapacityPerServr"
+    assert line == 11
+    assert "not a parameter of prefix-cache-scorer" in message
 
 
 def _issues(text: str) -> list[tuple[str, int | None, int | None, str]]:

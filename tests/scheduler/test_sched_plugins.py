@@ -76,7 +76,7 @@ def test_load_aware_and_active_request_scorers():
 
 
 def test_session_affinity_sticks_to_the_last_pod_of_the_session():
-    scorer = make("session-affinity-scorer", capacity=2)
+    scorer = make("session-affinity-scorer", strategy="session_id", capacity=2)
     pods = [pod("a"), pod("b")]
     first = ctx_for(request(tokens=[1], session_id="s1"))
     assert scorer.score(first, pods) == [0.0, 0.0]

@@ -44,6 +44,7 @@ class Received:
     destination: str | None
     body_bytes: int
     body_sha256: str
+    data_parallel_rank: str | None = None  # the x-data-parallel-host-port header
 
 
 @dataclass
@@ -100,6 +101,7 @@ class EchoBackend:
             destination=request.headers.get("x-gateway-destination-endpoint"),
             body_bytes=len(body),
             body_sha256=hashlib.sha256(body).hexdigest(),
+            data_parallel_rank=request.headers.get("x-data-parallel-host-port"),
         )
         self.received.append(entry)
         return entry

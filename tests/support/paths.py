@@ -7,3 +7,5 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_FIXTURES = REPO / "tests" / "fixtures" / "vllm"
 TINY_MODEL = VLLM_FIXTURES / "model" / "tiny-model"
 MOONCAKE_TRACE = REPO / "benchmarks" / "traces" / "mooncake_synthetic_trace.jsonl"
+# The tiny model's ChatML template extended with tools and documents (see its README).
+TOOLS_TEMPLATE = REPO / "tests" / "fixtures" / "templates" / "chatml-tools.jinja"
