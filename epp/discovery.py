@@ -8,9 +8,7 @@ empties the pool.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..framework.types import Endpoint
 from .datastore import Datastore
+from .watched_file import WatchedFile
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +88,11 @@ def load_endpoints_file(path: Path) -> list[Endpoint]:
     return parse_endpoints_document(path.read_text(), str(path))
 
 
-class EndpointsFileWatcher:
+class EndpointsFileWatcher(WatchedFile):
     """Loads an endpoints file into a Datastore and reloads it whenever it changes."""
+
+    what = "endpoints file"
+    load_errors = (EndpointsFileError,)
 
     def __init__(
         self,
@@ -99,46 +101,15 @@ class EndpointsFileWatcher:
         interval_s: float = 0.5,
         on_error: Callable[[Exception], None] | None = None,
     ) -> None:
-        self.path = path
+        super().__init__(path, on_error)
         self.datastore = datastore
         self.interval_s = interval_s
-        self.on_error = on_error
-        self.reloads = 0
-        self.errors = 0
-        self._signature: tuple[int, int, int] | None = None
 
-    def _stat_signature(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
+    def missing(self) -> Exception:
+        return EndpointsFileError(f"{self.path}: file is missing; keeping the pool")
 
-    def poll(self) -> bool:
-        """Reloads when the file changed since the last look; True when the pool was set."""
-        signature = self._stat_signature()
-        if signature == self._signature:
-            return False
-        self._signature = signature
-        if signature is None:
-            self._failed(EndpointsFileError(f"{self.path}: file is missing; keeping the pool"))
-            return False
-        try:
-            endpoints = load_endpoints_file(self.path)
-        except (OSError, EndpointsFileError) as exc:
-            self._failed(exc)
-            return False
-        self.datastore.set_endpoints(endpoints)
-        self.reloads += 1
-        return True
+    def load(self, text: str) -> None:
+        self.datastore.set_endpoints(parse_endpoints_document(text, str(self.path)))
 
-    def _failed(self, exc: Exception) -> None:
-        self.errors += 1
-        log.warning("endpoints file not applied: %s", exc)
-        if self.on_error is not None:
-            self.on_error(exc)
-
-    async def run(self) -> None:
-        while True:
-            self.poll()
-            await asyncio.sleep(self.interval_s)
+    async def run(self, interval_s: float | None = None) -> None:
+        await super().run(self.interval_s if interval_s is None else interval_s)

@@ -11,13 +11,14 @@ object defines gets the default priority (and is counted), never an error.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from ..watched_file import WatchedFile
 
 log = logging.getLogger(__name__)
 
@@ -130,10 +131,13 @@ class ObjectiveTable:
         return DEFAULT_PRIORITY
 
 
-class ObjectivesFileWatcher:
+class ObjectivesFileWatcher(WatchedFile):
     """Loads an objectives file into a table and reloads it whenever it changes.
 
     A file that fails to load leaves the previous objectives in force."""
+
+    what = "objectives file"
+    load_errors = (ObjectivesError,)
 
     def __init__(
         self,
@@ -142,38 +146,14 @@ class ObjectivesFileWatcher:
         pool: str | None = None,
         on_error: Callable[[Exception], None] | None = None,
     ) -> None:
-        self.path = path
+        super().__init__(path, on_error)
         self.table = table
         self.pool = pool
-        self.on_error = on_error
-        self.reloads = 0
-        self.errors = 0
-        self._signature: tuple[int, int, int] | None = None
 
-    def _stat_signature(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return None
-        return (st.st_ino, st.st_mtime_ns, st.st_size)
+    def missing(self) -> Exception:
+        return ObjectivesError(f"{self.path}: file is missing; keeping the objectives")
 
-    def poll(self) -> bool:
-        """Reloads when the file changed since the last look; True when the table was set."""
-        signature = self._stat_signature()
-        if signature == self._signature:
-            return False
-        self._signature = signature
-        try:
-            if signature is None:
-                raise ObjectivesError(f"{self.path}: file is missing; keeping the objectives")
-            objectives = parse_objectives(self.path.read_text(), str(self.path), self.pool)
-        except (OSError, ObjectivesError) as exc:
-            self.errors += 1
-            log.warning("objectives file not applied: %s", exc)
-            if self.on_error is not None:
-                self.on_error(exc)
-            return False
+    def load(self, text: str) -> None:
+        objectives = parse_objectives(text, str(self.path), self.pool)
         self.table.replace(objectives)
-        self.reloads += 1
         log.info("objectives: %d loaded from %s", len(objectives), self.path)
-        return True
