@@ -309,14 +309,14 @@ def _check_flow_control(
         elif config.plugins[refs[ref.pluginRef]].type not in DETECTOR_TYPES:
             issues.append((loc, f"{ref.pluginRef!r} is not one of {', '.join(DETECTOR_TYPES)}"))
     if spec is not None and not gate_enabled(config.featureGates, FLOW_CONTROL_GATE):
-        loaded.warnings.append(
+        loaded.notes.append(
             "flowControl is set but the flowControl feature gate is off: only its "
             "saturationDetector is used (add featureGates: [flowControl] to turn it on)"
         )
     if spec is not None and spec.usageLimitPolicyPluginRef:
-        loaded.warnings.append("flowControl.usageLimitPolicyPluginRef is not used by smart-epp")
+        loaded.notes.append("flowControl.usageLimitPolicyPluginRef is not used by smart-epp")
     if spec is not None and spec.enableEviction:
-        loaded.warnings.append("flowControl.enableEviction is not used by smart-epp")
+        loaded.notes.append("flowControl.enableEviction is not used by smart-epp")
 
 
 # --------------------------------------------------------------------------- field checks

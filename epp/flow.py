@@ -45,6 +45,7 @@ class Admission(Protocol):
     """The admission step (see `epp.flowcontrol.admission.AdmissionController`)."""
 
     def admit(self, flow: FlowRequest, wake: Wake) -> bool: ...
+    def check_decision(self, flow: FlowRequest, decision: Decision) -> None: ...
     def settled(self, flow: FlowRequest) -> None: ...
     def cancel(self, flow: FlowRequest) -> bool: ...
     def pump(self) -> int: ...
@@ -178,6 +179,8 @@ class RequestFlow:
                 else "no endpoint available to serve the request"
             )
         decision = await self.scheduler.schedule(request, candidates)
+        if self.admission is not None:
+            self.admission.check_decision(flow, decision)
         return self._book(flow, decision)
 
     def _book(self, flow: FlowRequest, decision: Decision) -> list[PodState]:

@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 Medium = Literal["GPU", "CPU"]
 
+# A request's time-to-first-token objective in milliseconds (request header).
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+
 
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
@@ -167,6 +170,8 @@ class Decision:
     explain: dict[str, dict[str, float]] = field(default_factory=dict)
     # Prompt token ids computed while scheduling, reused for speculative index entries.
     prompt_token_ids: list[int] | None = None
+    # The chosen pod's predicted time to first token, when the policy predicts one.
+    predicted_ttft_s: float | None = None
     # The scheduler's own per-request state (its SchedulingContext), handed back to it
     # with the outcome, so no scheduler keeps a table of requests in flight.
     context: Any = None

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from pydantic import Field
 
 from ..framework.plugins import (
+    DecisionHook,
     OutcomeHook,
     PluginParams,
     RoutingHook,
@@ -57,7 +58,7 @@ from ..framework.plugins import (
     Scorer,
 )
 from ..framework.registry import register_plugin
-from ..framework.types import Outcome, PodState
+from ..framework.types import SLO_TTFT_HEADER, Decision, Outcome, PodState
 from .lora_affinity_scorer import adapter_active, adapter_slot_free
 from .routed_prefixes import unit_chunk_keys
 from .ttft_model import (
@@ -236,7 +237,7 @@ def reusable_tokens(prompt_tokens: int, held_blocks: int, block_size: int) -> in
 
 
 @register_plugin()
-class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook):
+class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
     type_name = "predicted-ttft-scorer"
     Params = PredictedTTFTParams
     params: PredictedTTFTParams
@@ -420,9 +421,23 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook):
     def score(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[float]:
         if not pods:
             return []
-        costs = self.predict(ctx, pods).cost_s
+        prediction = self.predict(ctx, pods)
+        # A request with a TTFT SLO goes where it has the most predicted headroom (the
+        # smallest predicted TTFT); others by cost, which also weighs the queue behind.
+        costs = prediction.ttft_s if SLO_TTFT_HEADER in ctx.request.headers else prediction.cost_s
         best = min(costs)
         return [best / c if c > 0 else 1.0 for c in costs]
+
+    def on_decided(self, ctx: SchedulingContext, decision: Decision) -> None:
+        stashed = ctx.scratch.get(SCRATCH_KEY)
+        if stashed is None or not decision.endpoints:
+            return
+        pods, prediction = stashed
+        chosen = decision.endpoints[0].address
+        for i, pod in enumerate(pods):
+            if pod.address == chosen:
+                decision.predicted_ttft_s = prediction.ttft_s[i]
+                return
 
     # ------------------------------------------------------------------ learning
 

@@ -21,7 +21,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from ...framework.lifecycle import CandidateFilter, FlowRequest
-from ...framework.types import LLMRequest, PodState
+from ...framework.types import SLO_TTFT_HEADER, Decision, LLMRequest, PodState
 from ...scorers.saturation_detectors import Reserved, SaturationDetector
 from ..errors import RequestError
 from .objectives import FAIRNESS_HEADER, OBJECTIVE_HEADER, ObjectiveTable
@@ -39,6 +39,7 @@ class Reason(StrEnum):
     QUEUE_FULL = "queue-full"
     EXPIRED = "ttl-expired"
     DISCONNECTED = "disconnected"
+    SLO_UNREACHABLE = "slo-unreachable"  # sheddable, no pod predicted to meet its TTFT SLO
 
 
 class AdmissionObserver(Protocol):
@@ -146,6 +147,33 @@ class AdmissionController(CandidateFilter):
         return kept or list(pods)
 
     # ------------------------------------------------------------------ request path
+
+    def check_decision(self, flow: FlowRequest, decision: Decision) -> None:
+        """Refuses (429) a sheddable request whose TTFT objective (`x-slo-ttft-ms`) the
+        chosen pod is not predicted to meet: with an objective, the default policy chooses
+        the pod with the smallest predicted TTFT, so no other pod is predicted to either."""
+        raw = flow.request.headers.get(SLO_TTFT_HEADER)
+        predicted = decision.predicted_ttft_s
+        if raw is None or predicted is None:
+            return
+        try:
+            slo_s = float(raw) / 1000.0
+        except ValueError:
+            return
+        if predicted <= slo_s:
+            return
+        who = self.classify(flow.request)
+        if who.priority >= 0:
+            return
+        self.observer.rejected(who.priority, Reason.SLO_UNREACHABLE)
+        raise AdmissionRefused(
+            RequestError.shed(
+                f"no endpoint is predicted to meet the request's time-to-first-token "
+                f"objective of {raw} ms (best predicted {predicted * 1000:.0f} ms) and "
+                f"objective {who.objective!r} (priority {who.priority}) is sheddable"
+            ),
+            Reason.SLO_UNREACHABLE,
+        )
 
     def admit(self, flow: FlowRequest, wake: Wake) -> bool:
         """True: schedule now. False: queued; `wake` is called later. Raises RequestError."""

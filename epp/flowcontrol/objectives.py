@@ -18,13 +18,15 @@ from typing import Any
 
 import yaml
 
+from ...framework.types import SLO_TTFT_HEADER
 from ..watched_file import WatchedFile
+
+__all__ = ["SLO_TTFT_HEADER"]
 
 log = logging.getLogger(__name__)
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
-SLO_TTFT_HEADER = "x-slo-ttft-ms"
 DEFAULT_PRIORITY = 0
 
 

@@ -51,7 +51,7 @@ def test_a_full_flow_control_section() -> None:
 def test_flow_control_is_off_without_the_gate_and_says_so() -> None:
     loaded = parse_config(FULL.replace('featureGates: ["flowControl"]', ""))
     assert not flow_control_enabled(loaded)
-    assert any("feature gate is off" in w for w in loaded.warnings)
+    assert any("feature gate is off" in w for w in loaded.notes)
     assert gate_enabled(["flowControl=true"]) and not gate_enabled(["flowControl=false"])
     assert not gate_enabled(["flowControl", "flowControl=false"])
 
@@ -128,7 +128,7 @@ def test_config_errors_name_the_field(yaml_text: str, where: str, message: str) 
 def test_the_shipped_default_flow_control_config() -> None:
     loaded = load_config("default-flow-control")
     assert flow_control_enabled(loaded)
-    assert loaded.warnings == []
+    assert loaded.notes == []
     clock = Clock()
     admission = build_admission(loaded, pool(clock).ready_pods, clock=clock)
     assert admission.flow_control and admission.ttl_s == 25.0
