@@ -39,6 +39,7 @@ from .flow import RequestFlow
 from .flowcontrol.admission import AdmissionController
 from .flowcontrol.build import build_admission, flow_control_enabled
 from .flowcontrol.edge import run_admission_clock, watch_objectives
+from .flowcontrol.k8s_objectives import KubernetesObjectivesWatcher
 from .flowcontrol.metrics import FlowControlMetrics
 from .flowcontrol.objectives import (
     ObjectivesError,
@@ -347,6 +348,12 @@ async def serve(
     if options.k8s is not None:
         pool_watcher = KubernetesPoolWatcher(options.k8s, datastore)
         background.keep(asyncio.create_task(pool_watcher.run(), name="k8s-pool-watcher"))
+        if admission is not None and objectives_watcher is None:
+            # In Kubernetes the objectives are InferenceObjective objects of the pool.
+            k8s_objectives = KubernetesObjectivesWatcher(options.k8s, objectives)
+            background.keep(
+                asyncio.create_task(k8s_objectives.run(), name="k8s-objectives-watcher")
+            )
 
     if stop is None:
         stop = asyncio.Event()

@@ -57,7 +57,8 @@ def _objects(documents: Iterable[Any]) -> Iterable[Any]:
             yield doc
 
 
-def _objective(raw: Any, where: str) -> Objective:
+def objective_from_object(raw: Any, where: str) -> Objective:
+    """One InferenceObjective object (a parsed YAML document or an API object)."""
     if not isinstance(raw, dict):
         raise ObjectivesError(f"{where}: expected an InferenceObjective mapping")
     kind = raw.get("kind", "InferenceObjective")
@@ -90,7 +91,7 @@ def parse_objectives(
         raise ObjectivesError(f"{source}: not valid YAML: {exc}") from None
     found: dict[str, Objective] = {}
     for i, raw in enumerate(_objects(documents)):
-        objective = _objective(raw, f"{source}: object {i + 1}")
+        objective = objective_from_object(raw, f"{source}: object {i + 1}")
         if pool is not None and objective.pool is not None and objective.pool != pool:
             continue
         if objective.name in found:

@@ -160,6 +160,9 @@ class FakeKubeApi:
         app.router.add_get(
             "/apis/{group}/{version}/namespaces/{ns}/inferencepools", self._inferencepools
         )
+        app.router.add_get(
+            "/apis/{group}/{version}/namespaces/{ns}/inferenceobjectives", self._objectives
+        )
         self._runner = web.AppRunner(
             app, access_log=None, shutdown_timeout=0.1, handler_cancellation=True
         )
@@ -202,6 +205,11 @@ class FakeKubeApi:
 
     def put_pool(self, pool: Obj, api_version: str = "inference.networking.k8s.io/v1") -> Obj:
         return self.put(f"{api_version}/inferencepools", pool)
+
+    def put_objective(
+        self, obj: Obj, api_version: str = "inference.networking.x-k8s.io/v1alpha2"
+    ) -> Obj:
+        return self.put(f"{api_version}/inferenceobjectives", obj)
 
     def send_bookmark(self) -> None:
         self.version += 1
@@ -247,6 +255,16 @@ class FakeKubeApi:
 
     async def _pods(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, "pods", "PodList", "v1", "Pod")
+
+    async def _objectives(self, request: web.Request) -> web.StreamResponse:
+        api_version = f"{request.match_info['group']}/{request.match_info['version']}"
+        return await self._serve(
+            request,
+            f"{api_version}/inferenceobjectives",
+            "InferenceObjectiveList",
+            api_version,
+            "InferenceObjective",
+        )
 
     async def _inferencepools(self, request: web.Request) -> web.StreamResponse:
         group, version = request.match_info["group"], request.match_info["version"]
