@@ -255,8 +255,26 @@ class RequestFlow:
                 self.admission.pump()
 
     def served_by(self, flow: FlowRequest, address: str) -> None:
-        """A fallback (or a retry) answered: move the in-flight load to it."""
-        if flow.finished or not address or address == flow.served:
+        """A fallback (or a retry) answered: move the in-flight load to it.
+
+        `address` is what Envoy dialed; where the decision sends a pod's requests to
+        another address (data-parallel ranks behind one port), it maps back to the chosen
+        pod dialed there, the booked one first.
+        """
+        if flow.finished or not address:
+            return
+        decision = flow.decision
+        if decision is not None and decision.forward:
+            dialed_there = [
+                p.address
+                for p in decision.endpoints[: self.destination_count]
+                if decision.destination_of(p.address) == address
+            ]
+            if flow.served in dialed_there:
+                return
+            if dialed_there:
+                address = dialed_there[0]
+        if address == flow.served:
             return
         self._release(flow)
         self._book_on(flow, address)

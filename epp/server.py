@@ -79,7 +79,6 @@ class Exchange:
         "_awaits_log",
         "_body_parts",
         "_body_size",
-        "_forwarded",
         "_headers",
         "_labels",
         "_reader",
@@ -115,7 +114,6 @@ class Exchange:
         self._reader: UsageReader | None = None
         self._arrived = 0.0  # when the first message came, recorded only for tracing
         # Address Envoy dialled -> the pod it stands for, when the two differ.
-        self._forwarded: dict[str, str] = {}
         # Work to do once the replies are on their way to Envoy.
         self._after: Callable[[], None] | None = None
         # The outcome comes from the access log, not from this stream.
@@ -255,8 +253,7 @@ class Exchange:
         response_headers: tuple[tuple[str, str], ...] = ()
         if decision is not None and (decision.forward or decision.request_headers):
             # The request goes to another address than the pod's own (data-parallel
-            # ranks behind one port): remember how to map the served address back.
-            self._forwarded = {decision.destination_of(p.address): p.address for p in chosen}
+            # ranks behind one port); the flow maps the served address back.
             destination = ",".join(decision.destination_of(p.address) for p in chosen)
             extra_headers = (*extra_headers, *decision.request_headers)
         else:
@@ -314,8 +311,6 @@ class Exchange:
             self.status = status
         tracked = self.tracked
         if tracked is not None and served:
-            if self._forwarded:
-                served = self._forwarded.get(served, served)
             self.flow.served_by(tracked, served)
 
     def _on_response_headers(self, event: px.ResponseHeaders) -> list[px.Reply]:
