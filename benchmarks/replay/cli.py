@@ -41,13 +41,12 @@ from .objectives import (
     parse_slo,
     render_objective_table,
 )
+from .policies.context import PolicyContext, policy_label
 from .policies.registry import (
     ALL_POLICIES,
-    PolicyContext,
     UnknownPolicy,
     build_policy,
     known_policy,
-    policy_label,
 )
 from .report import (
     PolicySummary,

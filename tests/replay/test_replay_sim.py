@@ -8,7 +8,8 @@ import pytest
 
 from smart_epp.benchmarks.replay.arrivals import poisson_arrivals
 from smart_epp.benchmarks.replay.cli import Workload, simulate_policy
-from smart_epp.benchmarks.replay.policies.registry import PolicyContext, build_policy
+from smart_epp.benchmarks.replay.policies.context import PolicyContext
+from smart_epp.benchmarks.replay.policies.registry import build_policy
 from smart_epp.benchmarks.replay.report import summarize
 from smart_epp.benchmarks.replay.sim import SimConfig, SimPool, Simulation, pod_address
 from smart_epp.benchmarks.replay.traces import (

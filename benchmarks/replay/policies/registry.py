@@ -3,12 +3,11 @@ smart-epp's own scheduler for any built-in or file EndpointPickerConfig."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from ..sim import RoutedPolicy, SimPool
+from ..sim import RoutedPolicy
 from .aibrix import AIBrixPrefixCache
+from .context import PolicyContext
 from .full_information import FullInformation
 from .sglang import SGLangCacheAware
 from .simple import (
@@ -32,21 +31,8 @@ ALL_POLICIES = ("default", *PEER_POLICIES, "gie-default", "llmd-precise", "full-
 ALIASES = {"oracle": "full-information"}
 
 
-@dataclass(frozen=True, slots=True)
-class PolicyContext:
-    pool: SimPool
-    clock: Callable[[], float]  # the simulation's virtual clock
-    seed: int
-    model: str
-
-
 class UnknownPolicy(ValueError):
     pass
-
-
-def policy_label(name: str) -> str:
-    """How a policy is shown: its name, or a config file's stem."""
-    return Path(name).stem if name.endswith((".yaml", ".yml")) else name
 
 
 def known_policy(name: str) -> bool:

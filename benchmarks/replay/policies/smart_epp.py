@@ -9,7 +9,7 @@ from ....kv_index.ingest import IngestState
 from ....kv_index.memory import MemoryBlockIndex
 from ....kv_index.subscriber import PodEventStream
 from ..sim import RoutedPolicy
-from .registry import PolicyContext, policy_label
+from .context import PolicyContext, policy_label
 
 
 def build_config_policy(name: str, ctx: PolicyContext) -> RoutedPolicy:
