@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..replay.live import StreamTiming
+from ..replay.live import StreamTiming, read_stream
 
 # Token ids below 10 are control tokens in small vocabularies; 500 fits the tiny test model.
 _TOKEN_LO, _TOKEN_HI = 10, 500
@@ -105,44 +105,12 @@ class Probe:
         ) as resp:
             if resp.status != 200:
                 raise ProbeError(f"completion answered {resp.status}: {await resp.text()}")
-            timing = await _read_tokens(resp, started)
+            # A token can decode to no text (small vocabularies): every chunk with a choice
+            # counts; asking for token ids instead would echo the whole prompt back.
+            timing = await read_stream(resp, started, every_choice=True)
         if timing.ttft_s is None:
             raise ProbeError("a completion streamed no token")
         return timing
-
-
-async def _read_tokens(resp: aiohttp.ClientResponse, sent_at: float) -> StreamTiming:
-    """Times every SSE chunk that carries a choice: one generated token each.
-
-    A token can decode to no text (small vocabularies), so chunks are not judged by their
-    text; asking for token ids instead would echo the whole prompt back, a cost that grows
-    with the prompt and is not the engine's.
-    """
-    timing = StreamTiming()
-    last: float | None = None
-    buffer = b""
-    async for data in resp.content.iter_any():
-        now = time.perf_counter()
-        buffer += data
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                return timing
-            chunk = json.loads(payload)
-            if chunk.get("usage"):
-                timing.usage = chunk["usage"]
-            if not chunk.get("choices"):
-                continue
-            if timing.ttft_s is None:
-                timing.ttft_s = now - sent_at
-            elif last is not None:
-                timing.itl_s.append(now - last)
-            last = now
-            timing.chunks += 1
-    return timing
 
 
 def cached_tokens(timing: StreamTiming) -> int | None:

@@ -67,12 +67,20 @@ def _chunk_has_output(chunk: dict[str, Any]) -> bool:
     return False
 
 
-async def read_stream(resp: aiohttp.ClientResponse, sent_at: float) -> StreamTiming:
-    """Reads an SSE response; times the first and every later chunk that carries output."""
+async def read_stream(
+    resp: aiohttp.ClientResponse, sent_at: float, *, every_choice: bool = False
+) -> StreamTiming:
+    """Reads an SSE response; times the first and every later chunk that carries output,
+    at the moment its bytes arrived.
+
+    With `every_choice`, every chunk with a choice counts as one token, whatever its text:
+    a token can decode to no text (small vocabularies), which is what calibration needs.
+    """
     timing = StreamTiming()
     last: float | None = None
     buffer = b""
     async for data in resp.content.iter_any():
+        arrived = time.perf_counter()
         buffer += data
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)
@@ -85,14 +93,13 @@ async def read_stream(resp: aiohttp.ClientResponse, sent_at: float) -> StreamTim
             chunk = json.loads(payload)
             if chunk.get("usage"):
                 timing.usage = chunk["usage"]
-            if not _chunk_has_output(chunk):
+            if not (chunk.get("choices") if every_choice else _chunk_has_output(chunk)):
                 continue
-            now = time.perf_counter()
             if timing.ttft_s is None:
-                timing.ttft_s = now - sent_at
+                timing.ttft_s = arrived - sent_at
             elif last is not None:
-                timing.itl_s.append(now - last)
-            last = now
+                timing.itl_s.append(arrived - last)
+            last = arrived
             timing.chunks += 1
     return timing
 
