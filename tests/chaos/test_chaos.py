@@ -252,7 +252,8 @@ async def test_a_burst_of_1000_streams_is_served_and_nothing_leaks(tmp_path: Pat
         async def drained() -> bool:
             return sample(await s.metrics(), "inference_objective_running_requests") == 0
 
-        # Every routed request ends in the picker's books (access-log records arrive late).
-        await async_wait_until(drained, 60, "the picker's in-flight count back to 0")
+        # Every routed request ends in the picker's books (access-log records come in
+        # batches, after the responses; a starved machine takes a while to work them off).
+        await async_wait_until(drained, 120, "the picker's in-flight count back to 0")
         s.say("1,000-stream burst", streams=1000, failed=len(failed), burst_ms=burst_ms)
         assert failed == [], failed[:5]

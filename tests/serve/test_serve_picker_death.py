@@ -107,8 +107,13 @@ async def outage_then_restart(
             60,
             "the restarted picker healthy again",
         )
-        async with http.post(f"{envoy.url}/v1/completions", json=body) as response:
-            assert response.status == 200
+
+        async def served() -> bool:
+            async with http.post(f"{envoy.url}/v1/completions", json=body) as response:
+                return response.status == 200
+
+        # Healthy in Envoy's eyes first; its first decisions follow within moments.
+        await async_wait_until(served, 30, "the restarted picker serving")
     finally:
         _stop(restarted)
 
