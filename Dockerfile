@@ -18,7 +18,11 @@ COPY proto/ proto/
 COPY scorers/ scorers/
 COPY kv_index/ kv_index/
 COPY benchmarks/ benchmarks/
+# xds-protos ships an old copy of opentelemetry/proto/**; reinstalling opentelemetry-proto
+# last puts the files the OTLP exporter imports back.
 RUN /opt/smart-epp/bin/pip install . \
+ && /opt/smart-epp/bin/pip install --force-reinstall --no-deps "opentelemetry-proto==$( \
+      /opt/smart-epp/bin/python -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')" \
  && /opt/smart-epp/bin/pip uninstall --yes pip setuptools wheel
 # `epp envoy` renders this template from beside the installed package.
 COPY deploy/envoy/envoy.yaml.j2 /opt/smart-epp/share/envoy.yaml.j2
