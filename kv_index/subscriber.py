@@ -112,6 +112,10 @@ class PodEventStream:
         self.replay_backoff_s = replay_backoff_s
         self._replay_blocked_until = 0.0
         self._last_topic = b""
+        # Catch-up on start (readiness waits for it, see kv_index/catch_up.py): whether the
+        # first resync has run, and whether a replay from 0 applied the pod's buffer.
+        self.sync_attempted = asyncio.Event()
+        self.caught_up = asyncio.Event()
         # Warnings a broken or hostile publisher could repeat every batch: once a minute.
         self._log_throttle = LogThrottle(warn_interval_s)
         ingest.register_pod(pod, model)
@@ -132,10 +136,18 @@ class PodEventStream:
             tracker = self._trackers[rank] = SequenceTracker()
         return tracker
 
+    @property
+    def replayable(self) -> bool:
+        """Whether the pod has a replay socket to catch up from."""
+        return self._replay_for_rank is not None
+
     async def resync(self, rank: int = 0) -> None:
         """Fetches whatever the pod still buffers (used right after connecting)."""
-        async with self._lock:
-            await self._replay(rank, 0, None)
+        try:
+            async with self._lock:
+                await self._replay(rank, 0, None)
+        finally:
+            self.sync_attempted.set()
 
     async def handle(self, seq: int, payload: bytes) -> None:
         async with self._lock:
@@ -300,6 +312,8 @@ class PodEventStream:
             return applied
         metrics.REPLAYS.labels(self.pod, "ok").inc()
         metrics.REPLAYED_BATCHES.labels(self.pod).inc(applied)
+        if start == 0 and not restarted:
+            self.caught_up.set()  # everything the pod still buffers is applied
         if restarted:
             metrics.RESTARTS.labels(self.pod).inc()
             log.info("kv events: %s restarted while its batches were lost", self.pod)
