@@ -8,7 +8,9 @@ to the replicas that already know. A pod counts as caught up when:
 - its first resync has run and the shared store (`--kv-index redis`) is reachable: the
   other replicas keep the pod's blocks there, and lookups read them, or
 - its first resync has run and it has no replay socket at all: nothing more can be
-  fetched, its index fills from live events.
+  fetched, its index fills from live events;
+- the live stream delivered the engine's batch 0: nothing came before it.
+A pod whose first resync failed is asked again every second while the wait lasts.
 The wait is bounded: a pod whose replay socket does not answer must not keep the replica
 out of service forever.
 """
@@ -29,6 +31,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CATCH_UP_TIMEOUT_S = 10.0
 _POLL_S = 0.05
+# A pod whose first resync failed (it came up after this replica) is asked again this often.
+RETRY_S = 1.0
 
 
 def stream_caught_up(stream: PodEventStream | None, store_synced: bool) -> bool:
@@ -77,12 +81,18 @@ class CatchUp:
 
     async def wait(self, timeout_s: float = DEFAULT_CATCH_UP_TIMEOUT_S) -> CatchUpResult:
         started = self.clock()
-        while True:
-            pending = self.pending()
-            waited = self.clock() - started
-            if not pending or waited >= timeout_s:
-                break
-            await asyncio.sleep(_POLL_S)
+        retries: dict[str, tuple[float, asyncio.Task[None]]] = {}
+        try:
+            while True:
+                pending = self.pending()
+                waited = self.clock() - started
+                if not pending or waited >= timeout_s:
+                    break
+                self._retry(pending, retries)
+                await asyncio.sleep(_POLL_S)
+        finally:
+            for _, task in retries.values():
+                task.cancel()
         result = CatchUpResult(waited, tuple(pending))
         metrics.CATCH_UP_SECONDS.set(waited)
         metrics.CATCH_UP_PENDING.set(len(pending))
@@ -97,6 +107,19 @@ class CatchUp:
         else:
             log.info("kv index: every pod caught up in %.2fs", waited)
         return result
+
+    def _retry(
+        self, pending: list[str], retries: dict[str, tuple[float, asyncio.Task[None]]]
+    ) -> None:
+        now = self.clock()
+        for address in pending:
+            stream = self.manager.stream(address)
+            if stream is None or not stream.sync_attempted.is_set():
+                continue  # the first resync is still running
+            last = retries.get(address)
+            if last is not None and (not last[1].done() or now - last[0] < RETRY_S):
+                continue
+            retries[address] = (now, asyncio.create_task(stream.retry_catch_up()))
 
 
 __all__ = ["DEFAULT_CATCH_UP_TIMEOUT_S", "CatchUp", "CatchUpResult", "stream_caught_up"]

@@ -149,6 +149,17 @@ class PodEventStream:
         finally:
             self.sync_attempted.set()
 
+    async def retry_catch_up(self) -> None:
+        """Tries the first resync again when it failed (a pod that came up after this
+        replica, a replay socket that was slow): only while nothing has been applied, so
+        the replay from 0 cannot skip batches the live stream already moved past."""
+        if self.caught_up.is_set() or not self.replayable:
+            return
+        if any(tracker.expected is not None for tracker in self._trackers.values()):
+            return
+        self._replay_blocked_until = 0.0
+        await self.resync()
+
     async def handle(self, seq: int, payload: bytes) -> None:
         async with self._lock:
             try:
@@ -339,6 +350,8 @@ class PodEventStream:
             self._warn_throttled("failed to apply batch %d from %s", seq, self.pod)
             return
         self.tracker(rank).applied(seq, batch.ts)
+        if seq == 0:
+            self.caught_up.set()  # the process's stream from its first batch: nothing missed
         self._count(batch, result)
 
     def _count(self, batch: EventBatch, result: ApplyResult) -> None:

@@ -150,3 +150,25 @@ async def test_with_a_shared_store_the_store_stands_in_for_a_silent_replay(
     finally:
         await manager.stop()
         await index.close()
+
+
+async def test_a_pod_that_comes_up_after_the_replica_is_asked_again(ctx) -> None:
+    pod = Pod()
+    manager = KVEventManager(MemoryBlockIndex(), context=ctx, replay_timeout_s=0.3)
+    publisher = VllmKvPublisher(f"kv@{pod.address}@m", pod.events, pod.replay)
+    try:
+        await manager.start()
+        await manager.add_endpoint(pod.endpoint)  # nothing listens on its sockets yet
+        stream = manager.stream(pod.address)
+        assert stream is not None
+        await asyncio.wait_for(stream.sync_attempted.wait(), 10)
+        assert not stream.caught_up.is_set()
+        await publisher.start()
+        # Cached before anyone listened: only a replay can bring it.
+        await publisher.publish(stored_batch([1, 2, 3, 4], [101]), drop=True)
+        result = await CatchUp(manager, lambda: [pod.address]).wait(10)
+        assert result.complete
+        assert held_blocks(manager.index, pod.address, pod.keys([1, 2, 3, 4])) == 1  # type: ignore[arg-type]
+    finally:
+        await manager.stop()
+        await publisher.close()
