@@ -29,6 +29,7 @@ import os
 import platform
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -93,6 +94,12 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as response:
@@ -140,7 +147,7 @@ class Replica:
         command = [*CLI, "serve", "--host", "127.0.0.1", "--secure-serving=false",
                    "--grpc-port", str(self.grpc_port), "--health-port", str(self.health_port),
                    "--metrics-port", str(self.metrics_port), "--endpoints-file",
-                   str(self.pool_file), "--model", MODEL, "--scrape-interval", "0.1",
+                   str(self.pool_file), "--model", MODEL, "--scrape-interval", "0.25",
                    "--log-level", "info"]  # fmt: skip
         with (self.workdir / f"epp{self.index}.log").open("ab") as out:
             self.started_at = time.monotonic()
@@ -287,6 +294,7 @@ class Sent:
     at: float
     status: int  # 0: transport error
     latency_s: float
+    error: str = ""  # what a failed request got back
 
 
 @dataclass
@@ -295,6 +303,7 @@ class Timeline:
     unhealthy_at: float | None = None
     last_attempt_at: float | None = None
     restart_at: float = 0.0
+    listening_at: float | None = None  # the restarted process has its ports open
     ready_at: float | None = None
     first_decision_at: float | None = None
     notes: list[str] = field(default_factory=list)
@@ -303,40 +312,60 @@ class Timeline:
 async def send(stack: Stack, i: int, max_tokens: int, sent: list[Sent]) -> None:
     body = {"model": MODEL, "prompt": prompt(i), "max_tokens": max_tokens}
     start = time.monotonic()
+    error = ""
     try:
         async with stack.http.post(
             f"{stack.envoy_url}/v1/completions",
             json=body,
             timeout=aiohttp.ClientTimeout(total=60),
         ) as resp:
-            await resp.read()
+            answer = await resp.read()
             status = resp.status
-    except (TimeoutError, aiohttp.ClientError):
-        status = 0
-    sent.append(Sent(start, status, time.monotonic() - start))
+            if status != 200:
+                error = answer[:200].decode(errors="replace")
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        status, error = 0, repr(exc)
+    sent.append(Sent(start, status, time.monotonic() - start, error))
 
 
 async def open_loop(
-    stack: Stack, rate: float, duration_s: float, max_tokens: int, sent: list[Sent]
+    stack: Stack,
+    rate: float,
+    duration_s: float,
+    max_tokens: int,
+    sent: list[Sent],
+    until: asyncio.Event,
+    grace_s: float,
 ) -> None:
-    """Starts one request every 1/rate s, whatever the earlier ones are doing."""
+    """Starts one request every 1/rate s, whatever the earlier ones are doing, for
+    `duration_s` and then on until `until` is set (at most `grace_s` more)."""
     tasks: list[asyncio.Task[None]] = []
     start = time.monotonic()
-    n = int(rate * duration_s)
-    for i in range(n):
-        delay = start + i / rate - time.monotonic()
+    end = start + duration_s
+    i = 0
+    while True:
+        due = start + i / rate
+        if due >= end and (until.is_set() or due >= end + grace_s):
+            break
+        delay = due - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(send(stack, i, max_tokens, sent)))
+        i += 1
     await asyncio.gather(*tasks)
 
 
 async def watch_dead(
-    stack: Stack, victim: Replica, timeline: Timeline, done: asyncio.Event
+    stack: Stack,
+    victim: Replica,
+    timeline: Timeline,
+    done: asyncio.Event,
+    before: dict[str, str],
 ) -> None:
     """Polls Envoy's view of the killed replica: when it turns unhealthy, and the last
-    time Envoy still tried a stream on it (its request or connect-failure counters grew)."""
-    last: tuple[str, str] | None = None
+    time Envoy still tried a stream on it (its request or connect-failure counters grew
+    since `before`, taken just before the kill)."""
+    last = (before.get("rq_total", ""), before.get("cx_connect_fail", ""))
     while not done.is_set():
         host = (await stack.host_stats()).get(victim.address, {})
         now = time.monotonic()
@@ -344,7 +373,7 @@ async def watch_dead(
         if timeline.unhealthy_at is None and flags and flags != "healthy":
             timeline.unhealthy_at = now
         counters = (host.get("rq_total", ""), host.get("cx_connect_fail", ""))
-        if last is not None and counters != last:
+        if counters != last:
             timeline.last_attempt_at = now
         last = counters
         await asyncio.sleep(POLL_S)
@@ -353,6 +382,8 @@ async def watch_dead(
 async def watch_restart(stack: Stack, replica: Replica, timeline: Timeline) -> None:
     """From the restart: when Envoy sees the replica healthy, and its first decision."""
     while timeline.first_decision_at is None:
+        if timeline.listening_at is None and port_open(replica.grpc_port):
+            timeline.listening_at = time.monotonic()
         host = (await stack.host_stats()).get(replica.address, {})
         if timeline.ready_at is None and host.get("health_flags") == "healthy":
             timeline.ready_at = time.monotonic()
@@ -395,21 +426,25 @@ async def kill_one_of_three(
     timeline = Timeline()
     duration = warmup_s + restart_after_s + tail_s
     started = time.monotonic()
-    load = asyncio.create_task(open_loop(stack, rate, duration, max_tokens, sent))
+    decided = asyncio.Event()  # the load goes on until the restarted replica has decided
+    grace = 30.0
+    load = asyncio.create_task(open_loop(stack, rate, duration, max_tokens, sent, decided, grace))
     await asyncio.sleep(warmup_s)
+    before = (await stack.host_stats()).get(victim.address, {})
     victim.kill()
     timeline.kill_at = time.monotonic()
     watching_done = asyncio.Event()
-    watcher = asyncio.create_task(watch_dead(stack, victim, timeline, watching_done))
+    watcher = asyncio.create_task(watch_dead(stack, victim, timeline, watching_done, before))
     await asyncio.sleep(restart_after_s)
     watching_done.set()  # from here on, streams to that address reach the new process
     await watcher
     victim.start()
     timeline.restart_at = victim.started_at
     try:
-        await asyncio.wait_for(watch_restart(stack, victim, timeline), tail_s + 30)
+        await asyncio.wait_for(watch_restart(stack, victim, timeline), tail_s + grace)
     except TimeoutError:
         timeline.notes.append("the restarted replica made no decision in time")
+    decided.set()
     await load
     achieved = len(sent) / max(1e-9, max(s.at for s in sent) - started) if sent else 0.0
     failed = [s for s in sent if s.status != 200]
@@ -425,13 +460,21 @@ async def kill_one_of_three(
         "requests": len(sent),
         "failed": len(failed),
         "failed_statuses": sorted({s.status for s in failed}),
+        "failure_examples": sorted({s.error for s in failed})[:3],
+        "failed_at_s_after_kill": [round(s.at - timeline.kill_at, 2) for s in failed][:20],
         "served_without_a_decision": await stack.envoy_stat(fail_open) - fail_open_before,
         "kill_to_unhealthy_in_envoy_s": since(timeline.unhealthy_at, timeline.kill_at),
         "kill_to_last_stream_tried_on_dead_replica_s": since(
             timeline.last_attempt_at, timeline.kill_at
         ),
+        # Process start to ports open is the interpreter starting (imports): it grows
+        # with the machine's load. The rest is catch-up, health check and EDS.
+        "restart_to_listening_s": since(timeline.listening_at, timeline.restart_at),
         "restart_to_healthy_in_envoy_s": since(timeline.ready_at, timeline.restart_at),
         "restart_to_first_decision_s": since(timeline.first_decision_at, timeline.restart_at),
+        "listening_to_first_decision_s": since(
+            timeline.first_decision_at, timeline.listening_at or timeline.restart_at
+        ),
         "restarted_replica_catch_up_s": metric_sum(page, "smart_epp_kv_catch_up_seconds"),
         "restarted_replica_pods_not_caught_up": metric_sum(
             page, "smart_epp_kv_catch_up_pending_pods"
