@@ -379,6 +379,16 @@ async def watch_dead(
         await asyncio.sleep(POLL_S)
 
 
+def scrape_dropouts(stack: Stack, replicas: list[Replica]) -> int:
+    """How often these replicas took a pod out of their candidate set after 3 failed
+    /metrics scrapes (their logs so far): on a starved machine a slow pod looks dead."""
+    total = 0
+    for replica in replicas:
+        log = stack.workdir / f"epp{replica.index}.log"
+        total += log.read_text(errors="replace").count("out of the candidate set")
+    return total
+
+
 async def watch_restart(stack: Stack, replica: Replica, timeline: Timeline) -> None:
     """From the restart: when Envoy sees the replica healthy, and its first decision."""
     while timeline.first_decision_at is None:
@@ -420,6 +430,8 @@ async def kill_one_of_three(
 ) -> dict[str, object]:
     """Runs the scenario on a started stack; returns what was measured."""
     victim = stack.replicas[0]
+    survivors = stack.replicas[1:]
+    dropouts_before = scrape_dropouts(stack, survivors)
     fail_open = "http.inference_gateway.ext_proc.failure_mode_allowed"
     fail_open_before = await stack.envoy_stat(fail_open)
     sent: list[Sent] = []
@@ -442,6 +454,7 @@ async def kill_one_of_three(
     timeline.restart_at = victim.started_at
     try:
         await asyncio.wait_for(watch_restart(stack, victim, timeline), tail_s + grace)
+        await asyncio.sleep(3.0)  # a few seconds of the restarted replica deciding
     except TimeoutError:
         timeline.notes.append("the restarted replica made no decision in time")
     decided.set()
@@ -463,6 +476,10 @@ async def kill_one_of_three(
         "failure_examples": sorted({s.error for s in failed})[:3],
         "failed_at_s_after_kill": [round(s.at - timeline.kill_at, 2) for s in failed][:20],
         "served_without_a_decision": await stack.envoy_stat(fail_open) - fail_open_before,
+        "pods_dropped_by_surviving_replicas_after_3_scrape_timeouts": scrape_dropouts(
+            stack, survivors
+        )
+        - dropouts_before,
         "kill_to_unhealthy_in_envoy_s": since(timeline.unhealthy_at, timeline.kill_at),
         "kill_to_last_stream_tried_on_dead_replica_s": since(
             timeline.last_attempt_at, timeline.kill_at
@@ -496,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tail", type=float, default=10.0, help="seconds after the restart")
     parser.add_argument("--runs", type=int, default=3, help="kill/restart cycles")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the logs here")
     parser.add_argument("--quick", action="store_true", help="a short run, for a smoke check")
     args = parser.parse_args(argv)
     if args.quick:
@@ -504,7 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> list[dict[str, object]]:
         runs = []
         with tempfile.TemporaryDirectory(prefix="failover-bench-") as tmp:
-            async with failover_stack(Path(tmp)) as stack:
+            workdir = args.workdir or Path(tmp)
+            workdir.mkdir(parents=True, exist_ok=True)
+            async with failover_stack(workdir) as stack:
                 for n in range(args.runs):
                     cpu_before = cpu_seconds(stack.envoy_pid)
                     measured = await kill_one_of_three(
