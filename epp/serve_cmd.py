@@ -691,9 +691,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=_positive(float),
         default=DEFAULT_CATCH_UP_TIMEOUT_S,
         metavar="SECONDS",
-        help="at start, health stays NOT_SERVING until every pod's index has caught up "
-        "(its replay socket's buffer applied, or the shared Redis index reachable), at "
-        "most this long (default %(default)s)",
+        help="at start, readiness stays NOT_SERVING until every pod's index has caught up "
+        "(its replay socket's buffer applied, or the shared Redis index reachable; a pod "
+        "whose replay socket does not answer is not waited for), at most this long "
+        "(default %(default)s)",
     )
     kv.add_argument(
         "--redis-url",

@@ -149,17 +149,6 @@ class PodEventStream:
         finally:
             self.sync_attempted.set()
 
-    async def retry_catch_up(self) -> None:
-        """Tries the first resync again when it failed (a pod that came up after this
-        replica, a replay socket that was slow): only while nothing has been applied, so
-        the replay from 0 cannot skip batches the live stream already moved past."""
-        if self.caught_up.is_set() or not self.replayable:
-            return
-        if any(tracker.expected is not None for tracker in self._trackers.values()):
-            return
-        self._replay_blocked_until = 0.0
-        await self.resync()
-
     async def handle(self, seq: int, payload: bytes) -> None:
         async with self._lock:
             try:
@@ -208,6 +197,10 @@ class PodEventStream:
                 return
             verdict, start = tracker.observe(seq, batch.ts)
         if verdict is Verdict.GAP:
+            if tracker.expected is None:
+                # The first live batch: the pod is up now, whatever an earlier replay
+                # (before it had started) ran into.
+                self._replay_blocked_until = 0.0
             missing = seq - start
             recovered = await self._replay(rank, start, seq)
             if recovered < missing:
@@ -220,6 +213,8 @@ class PodEventStream:
                     recovered,
                 )
         await self._apply(rank, seq, batch)
+        if seq == 0:
+            self.caught_up.set()  # live from the process's first batch: nothing missed
 
     async def _same_process(self, rank: int) -> bool | None:
         """Whether the pod still buffers our last applied batch with the same timestamp
@@ -350,8 +345,6 @@ class PodEventStream:
             self._warn_throttled("failed to apply batch %d from %s", seq, self.pod)
             return
         self.tracker(rank).applied(seq, batch.ts)
-        if seq == 0:
-            self.caught_up.set()  # the process's stream from its first batch: nothing missed
         self._count(batch, result)
 
     def _count(self, batch: EventBatch, result: ApplyResult) -> None:

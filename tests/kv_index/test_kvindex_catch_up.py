@@ -11,10 +11,11 @@ import zmq.asyncio
 from kvindex_publisher import VllmKvPublisher
 from support.net import async_wait_until, free_port
 from support.redis_server import RedisServer, redis_server_fixture
-from test_kvindex_subscriber import Pod, held_blocks, stored_batch
+from support.replay_sockets import EndlessReplaySocket
+from test_kvindex_subscriber import Pod, held_blocks, publish_until_seen, stored_batch
 
 from smart_epp.framework.types import Endpoint
-from smart_epp.kv_index.catch_up import CatchUp
+from smart_epp.kv_index.catch_up import CatchUp, PodCatchUp
 from smart_epp.kv_index.manager import KVEventManager
 from smart_epp.kv_index.memory import MemoryBlockIndex
 from smart_epp.kv_index.redis_backend import RedisBlockIndex
@@ -83,7 +84,7 @@ async def test_ready_only_once_every_pods_buffer_is_applied(ctx) -> None:
         await held.close()
 
 
-async def test_a_pod_whose_replay_never_answers_delays_readiness_only_so_long(ctx) -> None:
+async def test_a_pod_whose_replay_socket_never_answers_is_not_waited_for(ctx) -> None:
     pod, other = Pod(), Pod()
     live = await VllmKvPublisher(f"kv@{other.address}@m", other.events, other.replay).start()
     manager = KVEventManager(MemoryBlockIndex(), context=ctx, replay_timeout_s=0.3)
@@ -91,15 +92,42 @@ async def test_a_pod_whose_replay_never_answers_delays_readiness_only_so_long(ct
         await manager.start()
         await manager.add_endpoint(silent(pod))
         await manager.add_endpoint(other.endpoint)
-        result = await CatchUp(manager, lambda: [pod.address, other.address]).wait(1.5)
+        catch_up = CatchUp(manager, lambda: [pod.address, other.address])
+        result = await catch_up.wait(30)
+        # Down or starting: waiting would not help; its events come live once it publishes.
         assert result.pending == (pod.address,)
-        assert result.waited_s >= 1.5
-        stream = manager.stream(pod.address)
-        assert stream is not None and stream.sync_attempted.is_set()
-        assert not stream.caught_up.is_set()
+        assert result.waited_s < 10
+        assert catch_up.states() == {
+            pod.address: PodCatchUp.UNREACHABLE,
+            other.address: PodCatchUp.CAUGHT_UP,
+        }
     finally:
         await manager.stop()
         await live.close()
+
+
+async def test_a_replay_that_never_ends_delays_readiness_only_so_long(ctx) -> None:
+    pod = Pod()
+    replay = EndlessReplaySocket(ctx)
+    manager = KVEventManager(MemoryBlockIndex(), context=ctx, replay_timeout_s=1.0)
+    try:
+        await manager.start()
+        await manager.add_endpoint(
+            Endpoint(
+                address=pod.address,
+                kv_events=pod.events,
+                kv_replay=replay.endpoint,
+                labels=(("model", "m"),),
+            )
+        )
+        catch_up = CatchUp(manager, lambda: [pod.address])
+        result = await catch_up.wait(1.5)
+        assert result.pending == (pod.address,)
+        assert result.waited_s >= 1.5
+        assert catch_up.states()[pod.address] is PodCatchUp.WAITING
+    finally:
+        await manager.stop()
+        await replay.close()
 
 
 async def test_a_pod_without_replay_socket_is_not_waited_for(ctx) -> None:
@@ -152,23 +180,23 @@ async def test_with_a_shared_store_the_store_stands_in_for_a_silent_replay(
         await index.close()
 
 
-async def test_a_pod_that_comes_up_after_the_replica_is_asked_again(ctx) -> None:
+async def test_a_pod_that_comes_up_after_the_replica_is_caught_up_from_its_batch_0(
+    ctx,
+) -> None:
     pod = Pod()
-    manager = KVEventManager(MemoryBlockIndex(), context=ctx, replay_timeout_s=0.3)
+    index = MemoryBlockIndex()
+    manager = KVEventManager(index, context=ctx, replay_timeout_s=0.3)
     publisher = VllmKvPublisher(f"kv@{pod.address}@m", pod.events, pod.replay)
     try:
         await manager.start()
         await manager.add_endpoint(pod.endpoint)  # nothing listens on its sockets yet
-        stream = manager.stream(pod.address)
-        assert stream is not None
-        await asyncio.wait_for(stream.sync_attempted.wait(), 10)
-        assert not stream.caught_up.is_set()
+        catch_up = CatchUp(manager, lambda: [pod.address])
+        await catch_up.wait(10)
+        assert catch_up.states()[pod.address] is PodCatchUp.UNREACHABLE
         await publisher.start()
-        # Cached before anyone listened: only a replay can bring it.
-        await publisher.publish(stored_batch([1, 2, 3, 4], [101]), drop=True)
-        result = await CatchUp(manager, lambda: [pod.address]).wait(10)
-        assert result.complete
-        assert held_blocks(manager.index, pod.address, pod.keys([1, 2, 3, 4])) == 1  # type: ignore[arg-type]
+        await publish_until_seen(publisher, index, pod, [1, 2, 3, 4], 101)
+        # Its stream from batch 0 on: nothing it cached can have been missed.
+        assert catch_up.states()[pod.address] is PodCatchUp.CAUGHT_UP
     finally:
         await manager.stop()
         await publisher.close()

@@ -7,8 +7,6 @@ replica reports ready only once its index has caught up."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import subprocess
 import sys
@@ -25,6 +23,7 @@ from serve_stack import epp_process, sample, wait_started
 from support.backends import echo_backends
 from support.envoy import async_running_envoy
 from support.net import async_wait_until, free_port, port_open
+from support.replay_sockets import EndlessReplaySocket, HeldReplaySocket
 
 from smart_epp.benchmarks.replica_failover import failover_stack, kill_one_of_three
 from smart_epp.proto.extproc import SERVICE_NAME
@@ -104,31 +103,6 @@ def start_dying_picker(port: int, log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(command, stderr=out)
 
 
-class HeldReplaySocket:
-    """A pod's replay ROUTER that answers (with an empty buffer) only when released."""
-
-    def __init__(self, ctx: zmq.asyncio.Context) -> None:
-        self.sock = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.requests = 0
-        self.release = asyncio.Event()
-        self._task = asyncio.create_task(self._serve())
-
-    async def _serve(self) -> None:
-        while True:
-            identity, *_ = await self.sock.recv_multipart()
-            self.requests += 1
-            await self.release.wait()
-            await self.sock.send_multipart([identity, b"", b"", b"\xff" * 8, b""])
-
-    async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self.sock.close(linger=0)
-
-
 async def health(port: int, service: str) -> int:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -142,12 +116,12 @@ async def test_a_starting_replica_is_ready_once_caught_up_and_never_waits_foreve
     serving = health_pb2.HealthCheckResponse.SERVING
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     ctx = zmq.asyncio.Context()
-    slow, silent = HeldReplaySocket(ctx), HeldReplaySocket(ctx)
+    slow, endless = HeldReplaySocket(ctx), EndlessReplaySocket(ctx)
     pool = tmp_path / "pool.yaml"
     entries = [
         {"address": f"127.0.0.1:{free_port()}", "kv_events": f"tcp://127.0.0.1:{free_port()}",
-         "kv_replay": f"tcp://127.0.0.1:{replay.port}"}
-        for replay in (slow, silent)
+         "kv_replay": replay.endpoint}
+        for replay in (slow, endless)
     ]  # fmt: skip
     pool.write_text(yaml.safe_dump({"endpoints": entries}))
     try:
@@ -157,7 +131,7 @@ async def test_a_starting_replica_is_ready_once_caught_up_and_never_waits_foreve
         ) as epp:  # fmt: skip
             await wait_started(epp)
             await async_wait_until(
-                lambda: slow.requests and silent.requests, 10, "both replays asked"
+                lambda: slow.requests and endless.requests, 10, "both replays asked"
             )
             # Alive, but not ready: neither pod's buffer has been replayed yet.
             assert await health(epp.health_port, "liveness") == serving
@@ -169,15 +143,15 @@ async def test_a_starting_replica_is_ready_once_caught_up_and_never_waits_foreve
             async def ready() -> bool:
                 return await health(epp.health_port, "readiness") == serving
 
-            # The silent pod never answers: readiness comes when the wait runs out.
+            # The other pod's replay never ends: readiness comes when the wait runs out.
             await async_wait_until(ready, 15, "readiness after the bounded wait")
             assert await health(epp.grpc_port, SERVICE_NAME) == serving
             async with aiohttp.ClientSession() as http:
                 page = await epp.metrics(http)
             assert sample(page, "smart_epp_kv_catch_up_pending_pods") == 1
             assert sample(page, "smart_epp_kv_catch_up_seconds") >= 4
-            assert "not caught up after" in epp.log()
+            assert "replaying" in epp.log() and "not caught up after" in epp.log()
     finally:
         await slow.close()
-        await silent.close()
+        await endless.close()
         ctx.term()
