@@ -31,6 +31,7 @@ import asyncio
 import json
 import math
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -211,7 +212,7 @@ ROUTERS: dict[str, Callable[[ProcessGroup, Pods], str]] = {
 class BenchConfig:
     pods: int = 4
     requests: int = 160
-    groups: int = 16
+    groups: int = 8
     system_len: int = 1500
     question_len: int = 100
     output_len: int = 32
@@ -243,7 +244,8 @@ def qps_for_load(cfg: BenchConfig, requests: Sequence[TraceRequest], load: float
 
 
 async def pod_counters(addresses: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Each pod's own prefix-cache counters and finished requests, from its /metrics."""
+    """Each pod's own prefix-cache counters, finished requests and TTFT histogram sum and
+    count (simulated seconds), from its /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = {
@@ -258,11 +260,17 @@ async def pod_counters(addresses: Sequence[str]) -> dict[str, dict[str, float]]:
                 f"http://{address}/metrics", timeout=aiohttp.ClientTimeout(total=10)
             ) as resp:
                 text = await resp.text()
-            counts = dict.fromkeys(wanted.values(), 0.0)
+            counts = dict.fromkeys([*wanted.values(), "ttft_sum_s", "ttft_count"], 0.0)
             for family in text_string_to_metric_families(text):
                 key = wanted.get(family.name)
                 if key is not None:
                     counts[key] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+                elif family.name == "vllm:time_to_first_token_seconds":
+                    for sample in family.samples:
+                        if sample.name.endswith("_sum"):
+                            counts["ttft_sum_s"] += sample.value
+                        elif sample.name.endswith("_count"):
+                            counts["ttft_count"] += sample.value
             out[address] = counts
     return out
 
@@ -309,13 +317,22 @@ def run_once(
             run_live(requests, arrivals, LiveOptions(target=url, concurrency=512))
         )
         per_pod = _delta(before, asyncio.run(pod_counters(pods.addresses)))
-    return {"ok": True, **run_summary(results, per_pod)}
+    return {"ok": True, **run_summary(results, per_pod, cfg.time_scale)}
 
 
 def run_summary(
-    results: Sequence[RequestResult], per_pod: dict[str, dict[str, float]]
+    results: Sequence[RequestResult], per_pod: dict[str, dict[str, float]], time_scale: float
 ) -> dict[str, Any]:
     s = summarize(results, [])
+    ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
+    # The pods' mean TTFT (arrival at the pod to first token, in wall seconds) against the
+    # client's: the difference is what the router and the network in between added.
+    pod_count = sum(p["ttft_count"] for p in per_pod.values())
+    pod_mean = (
+        sum(p["ttft_sum_s"] for p in per_pod.values()) / pod_count * time_scale
+        if pod_count
+        else None
+    )
     hits = sum(p["hit_tokens"] for p in per_pod.values())
     queried = sum(p["queried_tokens"] for p in per_pod.values())
     served = [p["requests"] for p in per_pod.values()]
@@ -325,6 +342,8 @@ def run_summary(
         "ttft_p50_s": s.ttft_p50_s,
         "ttft_p90_s": s.ttft_p90_s,
         "ttft_p99_s": s.ttft_p99_s,
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+        "pod_ttft_mean_s": pod_mean,
         "completed": s.completed,
         "failed": s.failed,
         "failure_statuses": failures,
@@ -353,9 +372,9 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
         reasons = [r.get("reason") or f"{r['failed']} failed: {r['failure_statuses']}"
                    for r in runs if r not in good]  # fmt: skip
         out["not_clean"] = reasons
-    for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "pod_prefix_hit_rate",
-                "client_cached_token_rate", "load_imbalance"):  # fmt: skip
-        out[key] = _spread([r[key] for r in good if r[key] is not None])
+    for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "pod_ttft_mean_s",
+                "pod_prefix_hit_rate", "client_cached_token_rate", "load_imbalance"):  # fmt: skip
+        out[key] = _spread([r[key] for r in good if r.get(key) is not None])
     return out
 
 
@@ -468,23 +487,30 @@ def render(doc: dict[str, Any]) -> str:
             return "-"
         return f"{fmt(s['median'])} [{fmt(s['min'])}-{fmt(s['max'])}]"
 
+    def means(row: dict[str, Any]) -> str:
+        client, pods = row.get("ttft_mean_s"), row.get("pod_ttft_mean_s")
+        if not client or not pods:
+            return "-"
+        return f"{client['median'] * 1000:.0f} / {pods['median'] * 1000:.0f}"
+
     ms: Callable[[float], str] = lambda x: f"{x * 1000:.0f}"  # noqa: E731
     pct: Callable[[float], str] = lambda x: f"{x:.1%}"  # noqa: E731
     lines = [
         "| load (offered req/s) | router | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms "
-        "| pods' prefix-hit rate | clean runs |",
-        "|---|---|---|---|---|---|---|",
+        "| mean TTFT ms: client / at the pods | pods' prefix-hit rate | clean runs |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for load, block in doc["by_load"].items():
         for router, row in block["routers"].items():
             if router in block["unavailable"]:
                 reason = block["unavailable"][router].splitlines()[0]
-                lines.append(f"| {load} | {router} | unavailable: {reason} | | | | 0 |")
+                lines.append(f"| {load} | {router} | unavailable: {reason} | | | | | 0 |")
                 continue
             lines.append(
                 f"| {load} ({block['offered_qps']:.1f}) | {router} "
                 f"| {cell(row['ttft_p50_s'], ms)} | {cell(row['ttft_p90_s'], ms)} "
-                f"| {cell(row['ttft_p99_s'], ms)} | {cell(row['pod_prefix_hit_rate'], pct)} "
+                f"| {cell(row['ttft_p99_s'], ms)} | {means(row)} "
+                f"| {cell(row['pod_prefix_hit_rate'], pct)} "
                 f"| {row['clean_runs']}/{row['runs']} |"
             )
     return "\n".join(lines)
@@ -506,6 +532,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="wall seconds per simulated GPU second")  # fmt: skip
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    # Stopped with SIGTERM (or from a shell that ignores SIGINT in background jobs), the
+    # benchmark still stops every process it started on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     missing = [n for n in ("vllm-router", "sglang-router") if _binary(n) is None]
     if missing and any(r != "smart-epp" for r in args.routers):
         print(f"{', '.join(missing)} {INSTALL_HINT}; those routers are reported unavailable")
