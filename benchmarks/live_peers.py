@@ -312,12 +312,34 @@ def run_once(
                 time.sleep(0.2)
         except StartupError as exc:
             return {"ok": False, "reason": str(exc).strip()}
+        router_pids = [m.process.pid for m in group.processes if m.name != "sim"]
+        cpu_before = [_cpu_seconds(pid) for pid in router_pids]
         before = asyncio.run(pod_counters(pods.addresses))
         results = asyncio.run(
             run_live(requests, arrivals, LiveOptions(target=url, concurrency=512))
         )
         per_pod = _delta(before, asyncio.run(pod_counters(pods.addresses)))
-    return {"ok": True, **run_summary(results, per_pod, cfg.time_scale)}
+        cpu_after = [_cpu_seconds(pid) for pid in router_pids]
+    summary = run_summary(results, per_pod, cfg.time_scale)
+    deltas = [
+        a - b for a, b in zip(cpu_after, cpu_before, strict=True) if a is not None and b is not None
+    ]
+    if router_pids and len(deltas) == len(router_pids):
+        # The router's own processes (epp and Envoy for smart-epp), not the pods or client.
+        summary["router_cpu_ms_per_request"] = 1000 * sum(deltas) / len(requests)
+    return {"ok": True, **summary}
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of one process (Linux /proc), None where it cannot be read."""
+    import os
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # utime and stime are fields 14 and 15 of stat(5); the split starts at field 3.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_summary(
@@ -373,7 +395,8 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
                    for r in runs if r not in good]  # fmt: skip
         out["not_clean"] = reasons
     for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "pod_ttft_mean_s",
-                "pod_prefix_hit_rate", "client_cached_token_rate", "load_imbalance"):  # fmt: skip
+                "pod_prefix_hit_rate", "client_cached_token_rate", "load_imbalance",
+                "router_cpu_ms_per_request"):  # fmt: skip
         out[key] = _spread([r[key] for r in good if r.get(key) is not None])
     return out
 
@@ -497,20 +520,22 @@ def render(doc: dict[str, Any]) -> str:
     pct: Callable[[float], str] = lambda x: f"{x:.1%}"  # noqa: E731
     lines = [
         "| load (offered req/s) | router | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms "
-        "| mean TTFT ms: client / at the pods | pods' prefix-hit rate | clean runs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mean TTFT ms: client / at the pods | pods' prefix-hit rate "
+        "| router CPU ms per request | clean runs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for load, block in doc["by_load"].items():
         for router, row in block["routers"].items():
             if router in block["unavailable"]:
                 reason = block["unavailable"][router].splitlines()[0]
-                lines.append(f"| {load} | {router} | unavailable: {reason} | | | | | 0 |")
+                lines.append(f"| {load} | {router} | unavailable: {reason} | | | | | | 0 |")
                 continue
             lines.append(
                 f"| {load} ({block['offered_qps']:.1f}) | {router} "
                 f"| {cell(row['ttft_p50_s'], ms)} | {cell(row['ttft_p90_s'], ms)} "
                 f"| {cell(row['ttft_p99_s'], ms)} | {means(row)} "
                 f"| {cell(row['pod_prefix_hit_rate'], pct)} "
+                f"| {cell(row.get('router_cpu_ms_per_request'), lambda x: f'{x:.1f}')} "
                 f"| {row['clean_runs']}/{row['runs']} |"
             )
     return "\n".join(lines)

@@ -22,6 +22,7 @@ def test_harness_runs_smart_epp_and_reports_missing_peers(monkeypatch: pytest.Mo
     assert 0 < run["ttft_p50_s"] <= run["ttft_p90_s"] <= run["ttft_p99_s"]
     # What the pods measured from arrival to first token is part of what the client saw.
     assert 0 < run["pod_ttft_mean_s"] < run["ttft_mean_s"]
+    assert run["router_cpu_ms_per_request"] > 0  # epp and Envoy did work for each request
     # Fresh pods: their own counters saw exactly this run's 16 requests, and the second
     # and later prompts of each group found the group's 600-token system prompt cached.
     assert sum(run["requests_per_pod"]) == 16
