@@ -302,7 +302,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
         own_list: list[tuple[float, float, float]] = []
         ahead_list: list[tuple[float, float, float]] = []
         speeds = learner.pods
-        pool_c = learner.pool.c
+        pool_c0, pool_c1, pool_c2, pool_c3 = learner.pool.c
         typical = learner.typical_scale()
         learnable_list: list[bool] = []
         for pod in pods:
@@ -312,7 +312,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
             model = models.get(address)
             speed = speeds.get(address)
             k = speed.scale if speed is not None else typical
-            c0, c1, c2, c3 = k * pool_c[0], k * pool_c[1], k * pool_c[2], k * pool_c[3]
+            c0, c1, c2, c3 = k * pool_c0, k * pool_c1, k * pool_c2, k * pool_c3
             hit_tokens = 0.0
             cpu_s = 0.0
             held = hits.get(address)
