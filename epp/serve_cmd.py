@@ -28,7 +28,7 @@ from ..kv_index.api import BlockIndex
 from ..kv_index.curve import CurveServerConfig
 from ..kv_index.ingest import IngestState
 from ..kv_index.manager import KVEventManager
-from ..kv_index.memory import DEFAULT_CAPACITY, MemoryBlockIndex
+from ..kv_index.memory import DEFAULT_CAPACITY, DEFAULT_SPECULATIVE_TTL_S, MemoryBlockIndex
 from ..kv_index.redis_backend import RedisBlockIndex
 from .config import BUILTIN_CONFIGS, ConfigError, load_config
 from .datastore import Datastore
@@ -60,6 +60,8 @@ from .request_limits import DEFAULT_ALLOWED_PATHS, RequestLimits
 from .scheduler import build_scheduler
 from .scrape import MetricsScraper
 from .server import DEFAULT_MAX_BODY_BYTES, EppServer, ServerOptions
+from .shared_state.sync import DEFAULT_INTERVAL_S as DEFAULT_SHARED_SYNC_S
+from .shared_state.wiring import SharedStateKind, connect_shared_state
 from .tls import TlsOptions, server_credentials
 from .tokenization import TokenizerRouter
 from .traffic_recorder import TrafficRecorder
@@ -119,6 +121,11 @@ class ServeOptions:
     fallbacks: int = DEFAULT_FALLBACKS
     # OTLP/gRPC collector for request traces; None = OTEL_EXPORTER_OTLP_ENDPOINT, if set.
     otlp_endpoint: str | None = None
+    # In-flight load and routed prefixes shared with the other pickers of the pool
+    # (local: this picker alone); the Redis server is `shared_state_url`, else redis_url.
+    shared_state: SharedStateKind = "local"
+    shared_state_url: str | None = None
+    shared_state_sync_s: float = DEFAULT_SHARED_SYNC_S
 
 
 def _start_tracing(
@@ -233,9 +240,19 @@ async def serve(
         label = pod.endpoint.label("model") if pod is not None else None
         return ingest.model(address) or label or options.model or catalog.base_model_of_pod(address)
 
+    shared, scheduler_index = connect_shared_state(
+        options.shared_state,
+        url=options.shared_state_url or options.redis_url,
+        pool_name=options.pool_name,
+        datastore=datastore,
+        index=index,
+        registry=metrics.registry,
+        interval_s=options.shared_state_sync_s,
+        speculative_ttl_s=DEFAULT_SPECULATIVE_TTL_S,
+    )
     scheduler = build_scheduler(
         loaded,
-        index=index,
+        index=scheduler_index,
         ingest_state=ingest,
         model_of=scope_model,
         base_model=options.model,
@@ -380,6 +397,9 @@ async def serve(
                 log.info("KV events: pods publish to %s", events.central_endpoint)
         await scraper.start()
         started.append(scraper.stop)
+        if shared is not None:
+            shared.start()
+            started.append(shared.close)
         await server.start(
             options.grpc_port,
             options.health_port,
@@ -390,7 +410,7 @@ async def serve(
         serving = True
         log.info(
             "epp serving ext_proc (%s) on %s:%d (health :%d, metrics :%d) with %d endpoints; "
-            "KV events %s, %s index",
+            "KV events %s, %s index, %s shared state",
             "plaintext" if credentials is None else "TLS",
             options.host,
             server.grpc_port,
@@ -399,6 +419,7 @@ async def serve(
             len(datastore),
             options.kv_events_mode,
             options.kv_index,
+            options.shared_state,
         )
         if on_started is not None:
             on_started(server)
@@ -674,7 +695,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     kv.add_argument(
         "--redis-url",
         default="redis://127.0.0.1:6379/0",
-        help="Redis server of --kv-index redis (default %(default)s)",
+        help="Redis server of --kv-index redis and --shared-state redis (default %(default)s)",
+    )
+    shared = parser.add_argument_group("shared pool state (several pickers, one pool)")
+    shared.add_argument(
+        "--shared-state",
+        choices=("local", "redis"),
+        default="local",
+        help="local (default): this picker's own in-flight counts and routed prefixes; "
+        "redis: shared through the Redis server of --redis-url with every picker of the "
+        "pool (replicas, workers), so each sees the others' load and routed prefixes; "
+        "routing goes on with local state while the server is unreachable",
+    )
+    shared.add_argument(
+        "--shared-state-sync-interval",
+        type=_positive(float),
+        default=DEFAULT_SHARED_SYNC_S,
+        metavar="SECONDS",
+        help="exchange with the store at least this often (besides after each decision): "
+        "the heartbeat, and how stale peers' state may get between this picker's own "
+        "decisions (default %(default)s)",
     )
     signals = parser.add_argument_group("pod signals")
     signals.add_argument(
@@ -804,6 +844,8 @@ def run(args: argparse.Namespace) -> int:
         record_prompts=args.record_prompts,
         objectives_file=args.objectives_file,
         otlp_endpoint=args.otlp_endpoint,
+        shared_state=args.shared_state,
+        shared_state_sync_s=args.shared_state_sync_interval,
     )
     run_event_loop(serve(options))
     return 0

@@ -346,6 +346,16 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
                 tokens_ahead = pairs_ahead = 0.0
                 queued = 0
                 others = waiting
+            peer_prefilling = pod.inflight.peer_prefilling
+            if peer_prefilling > 0:
+                # Other pickers' requests not yet answered with a first token (shared pool
+                # state): their sizes are known, and they are among the scraped waiting
+                # ones this gateway did not send.
+                peer_tokens = float(pod.inflight.peer_prefilling_tokens)
+                tokens_ahead += peer_tokens
+                pairs_ahead += 0.5 * peer_tokens * peer_tokens / peer_prefilling
+                queued += peer_prefilling
+                others = max(0, others - peer_prefilling)
             if others > 0:
                 # Waiting requests this gateway did not send: at the mean request's size.
                 tokens_ahead += others * mean_tokens
