@@ -113,7 +113,13 @@ async def test_prefixes_and_load_routed_by_one_picker_steer_the_other(
         page = await pair.second.metrics()
         assert sample(page, "smart_epp_kv_events_total") == 0  # it learned nothing from pods
 
-        # A long stream through the first picker counts on its pod at the second.
+        # A long stream through the first picker counts on its pod at the second (once the
+        # requests above have left the first picker's books, with their access log).
+        async def released() -> bool:
+            page = await pair.second.metrics()
+            return sample(page, "smart_epp_shared_state_peer_inflight_requests") == 0
+
+        await async_wait_until(released, 15, "the earlier requests' load leaving")
         pool = pair.first.pool
         before = served_counts(pool)
         body = {"model": MODEL, "prompt": text(40, 50), "max_tokens": 3000, "stream": True,
@@ -143,10 +149,6 @@ async def test_prefixes_and_load_routed_by_one_picker_steer_the_other(
         [served] = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if b > a]
         assert address == pool.pods[served].http_address
 
-        async def released() -> bool:
-            page = await pair.second.metrics()
-            return sample(page, "smart_epp_shared_state_peer_inflight_requests") == 0
-
         await async_wait_until(released, 15, "the stream's load leaving the second picker")
 
 
@@ -168,9 +170,7 @@ async def test_a_store_outage_keeps_both_pickers_serving_and_they_share_again(
         # Both keep routing on their own state.
         statuses = await asyncio.gather(
             *(
-                gw.status_via_gateway(
-                    {"model": MODEL, "prompt": text(60 + n, 30), "max_tokens": 2}
-                )
+                gw.status_via_gateway({"model": MODEL, "prompt": text(60 + n, 30), "max_tokens": 2})
                 for n in range(6)
                 for gw in (pair.first, pair.second)
             )
