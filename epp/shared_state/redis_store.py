@@ -84,12 +84,25 @@ if cursor == '' then
 else
   entries = redis.call('XRANGE', routed, '(' .. cursor, '+', 'COUNT', max_read)
 end
-return {epoch, tostring(now), loads, entries}
+-- Flat (pod, ms left, packed keys) triples of the others' live entries: the reply stays
+-- small and cheap to parse, whatever the stream holds.
+local out = {}
+local last = cursor
+for _, entry in ipairs(entries) do
+  local id, f = entry[1], entry[2]
+  last = id
+  if f[2] ~= me then
+    local born = tonumber(string.match(id, '^(%d+)'))
+    local left = tonumber(f[6]) - (now - born)
+    if left > 0 then
+      out[#out + 1] = f[4]
+      out[#out + 1] = left
+      out[#out + 1] = f[8]
+    end
+  end
+end
+return {epoch, last, loads, out}
 """
-
-
-def _split_stream_id(entry_id: str) -> int:
-    return int(entry_id.split("-", 1)[0])
 
 
 class RedisPoolStore:
@@ -148,34 +161,27 @@ class RedisPoolStore:
             f"{self.prefix}:routed",
             f"{self.prefix}:epoch",
         ]
-        epoch_raw, now_raw, loads_raw, entries_raw = await self._script(keys=keys, args=args)
+        epoch_raw, cursor_raw, loads_raw, routed_raw = await self._script(keys=keys, args=args)
         epoch = epoch_raw.decode()
-        now_ms = int(now_raw)
         view = PeerView(peers=len(loads_raw))
         if self._epoch is not None and epoch != self._epoch:
             # Emptied since we last looked: our cursor means nothing there any more.
             view.store_reset = True
             self._cursor = ""
+        else:
+            self._cursor = cursor_raw.decode()
         self._epoch = epoch
         for flat in loads_raw:
             for pod_raw, value in zip(flat[::2], flat[1::2], strict=True):
                 pod = pod_raw.decode()
                 view.loads[pod] = view.loads.get(pod, PodLoad()) + PodLoad.decode(value)
-        me = update.picker.encode()
-        for entry_id_raw, fields_raw in entries_raw:
-            entry_id = entry_id_raw.decode()
-            self._cursor = entry_id
-            fields = dict(zip(fields_raw[::2], fields_raw[1::2], strict=True))
-            if fields[b"p"] == me:
-                continue
-            left_ms = int(fields[b"ttl"]) - (now_ms - _split_stream_id(entry_id))
-            if left_ms <= 0:
-                continue
-            view.routed.append(
-                RoutedEntry(
-                    fields[b"pod"].decode(), RoutedEntry.unpack_keys(fields[b"k"]), left_ms / 1000
-                )
+        unpack = RoutedEntry.unpack_keys
+        view.routed = [
+            RoutedEntry(pod.decode(), unpack(packed), left_ms / 1000)
+            for pod, left_ms, packed in zip(
+                routed_raw[::3], routed_raw[1::3], routed_raw[2::3], strict=True
             )
+        ]
         return view
 
     async def close(self) -> None:

@@ -129,6 +129,7 @@ class SharedPoolState:
         self._outbox: deque[tuple[float, RoutedEntry]] = deque(maxlen=MAX_OUTBOX)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
         self._peer_pods: set[str] = set()
         datastore.on_change = self._load_changed
 
@@ -150,7 +151,11 @@ class SharedPoolState:
         self._task = asyncio.create_task(self._run(), name="shared-pool-state")
 
     async def close(self) -> None:
+        self._closing = True
+        self._wake.set()
         if self._task is not None:
+            # Python 3.11's wait_for can swallow a cancel that meets a wake-up; the flag
+            # ends the loop then.
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
@@ -158,10 +163,12 @@ class SharedPoolState:
         await self.store.close()
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)
             self._wake.clear()
+            if self._closing:
+                return
             if not await self.sync_once():
                 await asyncio.sleep(self.retry_s)
 
