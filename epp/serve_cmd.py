@@ -62,6 +62,7 @@ from .scrape import MetricsScraper
 from .server import DEFAULT_MAX_BODY_BYTES, EppServer, ServerOptions
 from .shared_state.records import RecordRelay
 from .shared_state.sync import DEFAULT_INTERVAL_S as DEFAULT_SHARED_SYNC_S
+from .shared_state.sync import DEFAULT_MAX_STALENESS_S as DEFAULT_SHARED_MAX_STALENESS_S
 from .shared_state.wiring import SharedStateKind, connect_shared_state
 from .tls import TlsOptions, server_credentials
 from .tokenization import TokenizerRouter
@@ -127,6 +128,7 @@ class ServeOptions:
     shared_state: SharedStateKind = "local"
     shared_state_url: str | None = None
     shared_state_sync_s: float = DEFAULT_SHARED_SYNC_S
+    shared_state_max_staleness_s: float = DEFAULT_SHARED_MAX_STALENESS_S
     # A worker of `--workers N` (set by the supervisor, epp/workers.py): binds the
     # ext_proc port with SO_REUSEPORT and hands access-log records it did not route on.
     reuse_port: bool = False
@@ -254,6 +256,7 @@ async def serve(
         registry=metrics.registry,
         interval_s=options.shared_state_sync_s,
         speculative_ttl_s=DEFAULT_SPECULATIVE_TTL_S,
+        max_staleness_s=options.shared_state_max_staleness_s,
     )
     scheduler = build_scheduler(
         loaded,
@@ -323,8 +326,8 @@ async def serve(
         hooks=[ServedModelFilter(catalog), PrefixAudit(metrics.registry)],
         admission=admission,
     )
-    if shared is not None:
-        flow.refresh = shared.refresh
+    if shared is not None and options.shared_state_max_staleness_s != float("inf"):
+        flow.refresh = shared.refresh  # read the store before each decision
     scraper = MetricsScraper(
         datastore,
         interval_s=options.scrape_interval_s,
@@ -747,6 +750,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for hidden in ("--reuse-port", "--hand-on-records"):  # set by the supervisor
         shared.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
     shared.add_argument(
+        "--shared-state-max-staleness",
+        type=_positive(float),
+        default=None,
+        metavar="SECONDS",
+        help="make each decision read the store first (one round trip, shared by the "
+        "decisions waiting at that moment, waiting at most 1 ms) unless an exchange "
+        "started this recently; default off: decisions use what the background sync "
+        "brought in, at most --shared-state-sync-interval old",
+    )
+    shared.add_argument(
         "--shared-state-sync-interval",
         type=_positive(float),
         default=DEFAULT_SHARED_SYNC_S,
@@ -886,6 +899,9 @@ def run(args: argparse.Namespace) -> int:
         shared_state=args.shared_state,
         shared_state_url=args.shared_state_url,
         shared_state_sync_s=args.shared_state_sync_interval,
+        shared_state_max_staleness_s=args.shared_state_max_staleness
+        if args.shared_state_max_staleness is not None
+        else DEFAULT_SHARED_MAX_STALENESS_S,
         reuse_port=args.reuse_port,
         hand_on_records=args.hand_on_records,
     )

@@ -40,11 +40,13 @@ from .store import PeerView, PickerUpdate, PodLoad, PoolStateStore, RoutedEntry
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INTERVAL_S = 0.05
-# A decision reads the store first unless an exchange started this recently, and waits
-# for it at most `DEFAULT_READ_BUDGET_S` (then decides on what it has).
-DEFAULT_MAX_STALENESS_S = 0.002
-DEFAULT_READ_BUDGET_S = 0.005
+DEFAULT_INTERVAL_S = 0.02
+# Off by default (inf): decisions use what the background sync brought in. A finite
+# value makes a decision read the store first unless an exchange started this recently,
+# waiting at most `DEFAULT_READ_BUDGET_S`: fresher, but every such decision sleeps on a
+# socket, and a busy machine is slow to wake a sleeping process (README, "Measured").
+DEFAULT_MAX_STALENESS_S = float("inf")
+DEFAULT_READ_BUDGET_S = 0.001
 DEFAULT_TIMEOUT_S = 0.5
 DEFAULT_RETRY_S = 0.5
 MAX_OUTBOX = 10_000

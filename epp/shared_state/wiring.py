@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from ..datastore import Datastore
 from .redis_store import RedisPoolStore
 from .store import LocalPoolStore, PoolStateStore
-from .sync import PublishingIndex, SharedPoolState
+from .sync import DEFAULT_MAX_STALENESS_S, PublishingIndex, SharedPoolState
 
 SharedStateKind = Literal["local", "redis"]
 
@@ -24,6 +24,7 @@ def connect_shared_state(
     registry: CollectorRegistry,
     interval_s: float,
     speculative_ttl_s: float,
+    max_staleness_s: float = DEFAULT_MAX_STALENESS_S,
     store: PoolStateStore | None = None,
 ) -> tuple[SharedPoolState | None, Any]:
     """The shared state (None for `local` without a store given: a picker alone) and the
@@ -42,7 +43,12 @@ def connect_shared_state(
         )
     local_index = index if hasattr(index, "add_speculative_sync") else None
     shared = SharedPoolState(
-        store, datastore, index=local_index, interval_s=interval_s, registry=registry
+        store,
+        datastore,
+        index=local_index,
+        interval_s=interval_s,
+        max_staleness_s=max_staleness_s,
+        registry=registry,
     )
     return shared, PublishingIndex(index, shared) if local_index is not None else index
 

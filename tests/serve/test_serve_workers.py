@@ -75,14 +75,25 @@ async def test_two_workers_share_one_port_and_their_routing_state(tmp_path: Path
                 async def drained() -> bool:
                     return sample(await page(), "inference_objective_running_requests") == 0
 
+                async def applied() -> float:
+                    return sample(await page(), "smart_epp_shared_state_routed_entries_total",
+                                  direction="applied")  # fmt: skip
+
                 for seed in (71, 72, 73):
                     prefix = text(seed, 600)
                     pods = set()
                     for n in range(8):
+                        before = await applied()
                         body = {"model": MODEL, "prompt": f"{prefix} {n}", "max_tokens": 1}
                         pods.add(await send(body))
-                        # Once its access-log record is in, the request no longer counts
-                        # as queued on its pod, wherever the record arrived.
+
+                        async def synced(before: float = before) -> bool:
+                            return await applied() > before
+
+                        # The other worker has the routed prefix (within a sync interval),
+                        # and, its access-log record in, the request no longer counts as
+                        # queued on its pod, wherever the record arrived.
+                        await async_wait_until(synced, 10, "the other worker syncing")
                         await async_wait_until(drained, 10, "the request released")
                     assert len(pods) == 1, f"prefix {seed} spread over pods {pods}"
 
@@ -99,9 +110,6 @@ async def test_two_workers_share_one_port_and_their_routing_state(tmp_path: Path
                 print(f"decisions per worker: {decided}")
                 assert sum(decided) == 24
                 assert all(d > 0 for d in decided), decided
-                applied = sample(metrics, "smart_epp_shared_state_routed_entries_total",
-                                 direction="applied")  # fmt: skip
-                assert applied > 0
 
                 await async_wait_until(drained, 15, "every request released")
                 assert sample(await page(), "smart_epp_access_log_expired_total") == 0
