@@ -230,22 +230,23 @@ def main() -> None:
     summary = {
         "measured": "RequestFlow.route + routed per decision, default scheduler, "
         f"{PODS} pods, {PROMPT_TOKENS}-token token-id prompts in {GROUPS} prefix groups; "
-        "a local-only picker, a shared one reading the store before each decision "
-        "(max staleness 2 ms, wait at most 1 ms) and a shared one on the background sync "
-        f"alone, alternating every {args.gap_ms:g} ms in one process; a peer picker "
+        "a local-only picker, a shared one as `epp serve --shared-state redis` runs by "
+        "default (background sync) and a shared one that reads the store before each "
+        "decision (--shared-state-max-staleness 0.002, waiting at most 1 ms), "
+        f"alternating every {args.gap_ms:g} ms in one process; a peer picker "
         f"process deciding {args.rate:g}/s through the same Valkey on loopback",
         "local_p50_ms": local["p50_ms"],
-        "shared_p50_ms": shared["p50_ms"],
-        "added_p50_ms": shared["p50_ms"] - local["p50_ms"],
         "local_p99_ms": local["p99_ms"],
-        "shared_p99_ms": shared["p99_ms"],
-        "added_p99_ms": shared["p99_ms"] - local["p99_ms"],
-        "p50_ratio": shared["p50_ms"] / local["p50_ms"],
-        "background_only_p50_ms": background["p50_ms"],
-        "background_only_added_p50_ms": background["p50_ms"] - local["p50_ms"],
-        "background_only_p99_ms": background["p99_ms"],
+        "default_p50_ms": background["p50_ms"],
+        "default_p99_ms": background["p99_ms"],
+        "default_added_p50_ms": background["p50_ms"] - local["p50_ms"],
+        "default_added_p99_ms": background["p99_ms"] - local["p99_ms"],
+        "read_first_p50_ms": shared["p50_ms"],
+        "read_first_p99_ms": shared["p99_ms"],
+        "read_first_added_p50_ms": shared["p50_ms"] - local["p50_ms"],
+        "read_first_added_p99_ms": shared["p99_ms"] - local["p99_ms"],
         "goal_added_p50_ms": GOAL_ADDED_P50_MS,
-        "goal_met": shared["p50_ms"] - local["p50_ms"] <= GOAL_ADDED_P50_MS,
+        "goal_met_by_default": background["p50_ms"] - local["p50_ms"] <= GOAL_ADDED_P50_MS,
         **{k: v for k, v in result.items() if k not in ("local", "shared", "background")},
         "decisions_per_picker": local["n"],
         "load_average": os.getloadavg()[0],
