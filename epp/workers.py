@@ -41,6 +41,7 @@ from .shared_state.private_store import PrivateStore
 log = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.5
+WILDCARDS = ("0.0.0.0", "::", "")
 RESTART_DELAY_S = 1.0
 
 
@@ -136,6 +137,8 @@ class Supervisor:
         self.metrics_port = metrics_port
         self.drain_timeout_s = drain_timeout_s
         self.stopping = False
+        # Workers bind their own health and metrics ports on --host as well.
+        self._local = "127.0.0.1" if host in WILDCARDS else host
         self._health = health.aio.HealthServicer()
         self._serving: bool | None = None
 
@@ -156,7 +159,8 @@ class Supervisor:
         if not worker.alive:
             return False
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.health_port}") as channel:
+            target = f"{self._local}:{worker.health_port}"
+            async with grpc.aio.insecure_channel(target) as channel:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(service=""), timeout=1.0
                 )
@@ -183,7 +187,7 @@ class Supervisor:
     async def _metrics(self, _request: web.Request) -> web.Response:
         async def page(worker: Worker) -> tuple[int, str] | None:
             try:
-                url = f"http://127.0.0.1:{worker.metrics_port}/metrics"
+                url = f"http://{self._local}:{worker.metrics_port}/metrics"
                 async with self._http.get(url) as resp:
                     return (worker.index, await resp.text())
             except (aiohttp.ClientError, TimeoutError):
