@@ -347,6 +347,18 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
                 tokens_ahead = pairs_ahead = 0.0
                 queued = 0
                 others = waiting
+            peer_prefilling = pod.inflight.peer_prefilling
+            if others > 0 and peer_prefilling > 0:
+                # Of the scraped waiting requests this gateway did not send, other pickers'
+                # (shared pool state) are of known size. Only as many as the pod reports
+                # waiting: a peer hears of a first token late (with its access log), so
+                # its prefilling count alone would hold requests long answered.
+                peer_waiting = min(others, peer_prefilling)
+                peer_mean = pod.inflight.peer_prefilling_tokens / peer_prefilling
+                tokens_ahead += peer_waiting * peer_mean
+                pairs_ahead += peer_waiting * 0.5 * peer_mean * peer_mean
+                queued += peer_waiting
+                others -= peer_waiting
             if others > 0:
                 # Waiting requests this gateway did not send: at the mean request's size.
                 tokens_ahead += others * mean_tokens
