@@ -70,6 +70,12 @@ class EnvoyOptions:
     # The replicas' gRPC health port (`epp serve --health-port`); None: their ext_proc
     # port, which serves the same health service.
     epp_health_port: int | None = None
+    # ext_proc streams per connection to a picker before Envoy opens a new one; None: no
+    # limit. Each Envoy thread holds one connection to a picker, and SO_REUSEPORT hands
+    # connections (not streams) to `epp serve --workers`, so a few busy threads can keep
+    # one worker busy and the others idle; a small limit spreads streams over the workers
+    # at the cost of a new (TLS) connection every few requests.
+    epp_streams_per_connection: int | None = None
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -139,6 +145,7 @@ def render_envoy_config(options: EnvoyOptions) -> str:
         admin_port=options.admin_port,
         epp_replicas=replicas,
         epp_health_port=options.epp_health_port,
+        epp_streams_per_connection=options.epp_streams_per_connection,
         epp_cluster_type="STATIC" if all(_is_ip(h) for h, _ in replicas) else "STRICT_DNS",
         body_mode=body_mode,
         failure_mode=options.failure_mode,
@@ -234,6 +241,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "ext_proc streams are balanced over the healthy ones",
     )
     parser.add_argument(
+        "--epp-streams-per-connection",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ext_proc streams per connection to a picker before a new one is opened "
+        "(default: no limit); a small N spreads requests over `epp serve --workers`, "
+        "which receive connections, not streams",
+    )
+    parser.add_argument(
         "--epp-health-port",
         type=int,
         default=None,
@@ -322,6 +338,7 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
         epp_server_name=args.epp_server_name,
         epp_replicas=tuple(args.epp),
         epp_health_port=args.epp_health_port,
+        epp_streams_per_connection=args.epp_streams_per_connection,
     )
 
 

@@ -51,10 +51,13 @@ async def test_two_workers_share_one_port_and_their_routing_state(tmp_path: Path
 
                 # The supervisor's metrics port is up at once; the workers take a while.
                 await async_wait_until(all_ready, 60, "every worker seeing every pod")
-            # Envoy threads hold one ext_proc connection each; the kernel spreads those
-            # connections over the workers.
+            # The kernel hands each worker connections, not streams: a new connection
+            # every two streams spreads the requests over both workers (Envoy's threads
+            # alone may all keep one connection to the same worker).
             async with (
-                async_running_envoy(epp_port=epp.grpc_port, concurrency=8) as envoy,
+                async_running_envoy(
+                    epp_port=epp.grpc_port, concurrency=8, epp_streams_per_connection=2
+                ) as envoy,
                 aiohttp.ClientSession() as http,
             ):
 
