@@ -1,0 +1,370 @@
+"""How faithful is the simulator: one trace replayed live and in `epp replay --mode sim`.
+
+The trace (shared system prompts, two arrival rates) is written as recorded traffic with
+the prompt text and the model tokenizer's ids for it, so the live run sends text, as a
+client does, and the simulator sees the very token ids the pods will compute. For each
+policy (`default` and `round-robin`):
+
+- live: a fresh `epp serve` with that policy and real Envoy in front of the pods; every
+  pod's prefix cache is reset first (vLLM's `/reset_prefix_cache`, served when the pod runs
+  with `VLLM_SERVER_DEV_MODE=1`), then `epp replay --mode live` through Envoy;
+- sim: `epp replay --mode sim` with as many pods, the given (calibrated) profile, the
+  pods' block size, and as routing latency what the gateway was measured to add in front
+  of a pod in the same run (see `gateway_latency`).
+
+The table (TTFT p50/p90 per policy and mode, the sim's p50 error against live, and whether
+both modes rank the policies alike) goes to `benchmarks/results/sim_vs_live.json`.
+
+    .venv/bin/python benchmarks/sim_vs_live.py --pod 127.0.0.1:8001,tcp://127.0.0.1:5557,\
+tcp://127.0.0.1:5558 --pod ... --profile calibrated.yaml --tokenizer DIR --model tiny
+
+The real-vLLM test tier runs it against two vLLM CPU pods with the tiny test model,
+calibrated with `epp calibrate` (tests/real_vllm/test_real_vllm_sim_vs_live.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from smart_epp.benchmarks.calibrate.probe import Probe
+from smart_epp.benchmarks.replay.live import read_stream
+from smart_epp.epp.cli import build_parser
+from smart_epp.epp.demo import ProcessGroup, epp_argv, http_ok, post_ok, wait_for
+from smart_epp.epp.envoy_cmd import EnvoyOptions, envoy_command, render_envoy_config
+from smart_epp.epp.ports import free_port
+from smart_epp.epp.traffic_recorder import recorded_line
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "sim_vs_live.json"
+POLICY_CONFIGS: dict[str, str | None] = {
+    "default": None,  # epp serve's built-in default
+    "round-robin": str(HERE / "replay" / "configs" / "round-robin.yaml"),
+}
+P50_TOLERANCE = 0.35
+
+_WORDS = (
+    "route", "prefix", "cache", "block", "token", "event", "pod", "model", "gateway",
+    "queue", "shard", "replica", "score", "prompt", "stream", "latency", "batch", "index",
+    "memory", "value", "answer", "question", "server", "client",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSpec:
+    """Groups of requests sharing a system prompt, sent in two phases of Poisson arrivals.
+
+    With the test pods' 4,096-token KV caches, 12 system prompts of ~500 tokens do not fit
+    in one pod but half of them do: a policy that keeps each group on one pod keeps its
+    prefix cached, one that spreads every group over both pods evicts it.
+    """
+
+    groups: int = 12
+    per_group: int = 6
+    system_words: int = 240
+    question_words: int = 16
+    output_tokens: int = 8
+    rates: tuple[float, float] = (1.0, 3.0)  # requests/s in the first and second half
+    seed: int = 0
+
+    @property
+    def requests(self) -> int:
+        return self.groups * self.per_group
+
+
+def write_trace(spec: TraceSpec, tokenizer_json: Path, model: str, out: Path) -> int:
+    """Writes the trace as recorded traffic; returns the number of requests."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_json))
+    rng = random.Random(spec.seed)
+
+    def words(n: int) -> str:
+        return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+    systems = [f"system {g}: {words(spec.system_words)}" for g in range(spec.groups)]
+    order = [g for g in range(spec.groups) for _ in range(spec.per_group)]
+    rng.shuffle(order)
+    now = 0.0
+    lines = []
+    for i, g in enumerate(order):
+        rate = spec.rates[0] if i < len(order) // 2 else spec.rates[1]
+        now += rng.expovariate(rate)
+        prompt = f"{systems[g]} question {i}: {words(spec.question_words)}"
+        ids = tokenizer.encode(prompt, add_special_tokens=True).ids
+        row = json.loads(
+            recorded_line(now, model, len(ids), spec.output_tokens, prompt_token_ids=ids)
+        )
+        # Both: the simulator replays the ids, the live run sends the text.
+        row["prompt"] = prompt
+        lines.append(json.dumps(row, separators=(",", ":")) + "\n")
+    out.write_text("".join(lines))
+    return len(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class PodSpec:
+    address: str  # ip:port
+    kv_events: str | None = None
+    kv_replay: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> PodSpec:
+        parts = text.split(",")
+        if not 1 <= len(parts) <= 3:
+            raise argparse.ArgumentTypeError(f"{text!r}: ADDRESS[,KV_EVENTS[,KV_REPLAY]]")
+        return cls(*parts)  # type: ignore[arg-type]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+
+@contextlib.contextmanager
+def live_gateway(pods: Sequence[PodSpec], config: str | None, model: str) -> Iterator[str]:
+    """`epp serve` (with `config`) and Envoy in front of the pods; yields Envoy's URL."""
+    workdir = Path(tempfile.mkdtemp(prefix="sim-vs-live-"))
+    group = ProcessGroup(workdir)
+    try:
+        entries = []
+        for pod in pods:
+            entry: dict[str, Any] = {"address": pod.address, "labels": {"model": model}}
+            if pod.kv_events:
+                entry["kv_events"] = pod.kv_events
+            if pod.kv_replay:
+                entry["kv_replay"] = pod.kv_replay
+            entries.append(entry)
+        endpoints = workdir / "endpoints.yaml"
+        endpoints.write_text(yaml.safe_dump({"endpoints": entries}))
+        grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
+        serve = ["serve", "--grpc-port", str(grpc_port), "--health-port", str(health_port),
+                 "--metrics-port", str(metrics_port), "--endpoints-file", str(endpoints),
+                 "--log-level", "warning"]  # fmt: skip
+        if config:
+            serve += ["--config", config]
+        epp = group.start("epp", epp_argv(*serve))
+        wait_for("epp", lambda: http_ok(f"http://127.0.0.1:{metrics_port}/metrics"), epp)
+        options = EnvoyOptions(
+            listen_port=free_port(),
+            epp_port=grpc_port,
+            admin_port=free_port(),
+            listen_address="127.0.0.1",
+        )
+        config_path = workdir / "envoy.yaml"
+        config_path.write_text(render_envoy_config(options))
+        envoy = group.start("envoy", envoy_command(config_path, concurrency=1))
+        wait_for("Envoy", lambda: http_ok(f"http://127.0.0.1:{options.admin_port}/ready"), envoy)
+        url = f"http://127.0.0.1:{options.listen_port}"
+        probe = json.dumps({"model": model, "prompt": "hello", "max_tokens": 1}).encode()
+        wait_for("a request through Envoy", lambda: post_ok(f"{url}/v1/completions", probe), envoy)
+        yield url
+    finally:
+        group.stop_all()
+
+
+async def reset_prefix_caches(pods: Sequence[PodSpec]) -> None:
+    async with aiohttp.ClientSession() as session:
+        for pod in pods:
+            async with session.post(f"{pod.url}/reset_prefix_cache") as resp:
+                if resp.status != 200:
+                    raise RuntimeError(
+                        f"{pod.address}: POST /reset_prefix_cache answered {resp.status}; start "
+                        "the pod with VLLM_SERVER_DEV_MODE=1 so each run starts cold"
+                    )
+
+
+async def _ttft(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> float:
+    sent = time.perf_counter()
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        timing = await read_stream(resp, sent, every_choice=True)
+    if timing.ttft_s is None:
+        raise RuntimeError(f"{url}: a stream without a token")
+    return timing.ttft_s
+
+
+async def gateway_latency(
+    gateway_url: str, pods: Sequence[PodSpec], model: str, spec: TraceSpec, n: int = 9
+) -> float:
+    """What a request pays before the pod's engine sees it, as the simulator's routing
+    latency: the gateway's added time to first token plus the client's HTTP round trip to
+    a pod, which calibration takes out of the engine's step costs.
+
+    Each probe is a fresh prompt of the trace's size, first sent straight to every pod (so
+    it is cached wherever the gateway sends it), then through the gateway (which has to
+    tokenize it, as it does each trace request) and straight to a pod again; the added
+    time is the difference of the medians of `n` such pairs.
+    """
+    rng = random.Random(f"gateway-latency-{spec.seed}")
+    size = spec.system_words + spec.question_words
+    via, direct = [], []
+    async with aiohttp.ClientSession() as session:
+        for i in range(n):
+            prompt = f"probe {i}: " + " ".join(rng.choice(_WORDS) for _ in range(size))
+            body = {"model": model, "prompt": prompt, "max_tokens": 1, "stream": True}
+            for pod in pods:
+                await _ttft(session, pod.url, body)
+            via.append(await _ttft(session, gateway_url, body))
+            direct.append(await _ttft(session, pods[i % len(pods)].url, body))
+        floor = await Probe(session, pods[0].url, model).round_trip_floor()
+    added = statistics.median(via) - statistics.median(direct)
+    return max(0.0, added) + floor
+
+
+def _replay(argv: list[str]) -> None:
+    args = build_parser().parse_args(["replay", *argv])
+    code = args.func(args)
+    if code != 0:
+        raise RuntimeError(f"epp replay {' '.join(argv)} exited {code}")
+
+
+def _summary(path: Path, policy: str) -> dict[str, Any]:
+    s = json.loads(path.read_text())["policies"][policy]
+    keep = ("ttft_p50_s", "ttft_p90_s", "completed", "failed", "prefix_hit_rate")
+    return {k: s[k] for k in keep}
+
+
+def run_policy(
+    policy: str,
+    trace: Path,
+    pods: Sequence[PodSpec],
+    profile: Path,
+    model: str,
+    block_size: int,
+    out: Path,
+    spec: TraceSpec,
+) -> dict[str, Any]:
+    """Live then sim for one policy; returns both summaries and the routing latency used."""
+    asyncio.run(reset_prefix_caches(pods))
+    with live_gateway(pods, POLICY_CONFIGS[policy], model) as url:
+        routing_s = asyncio.run(gateway_latency(url, pods, model, spec))
+        asyncio.run(reset_prefix_caches(pods))
+        live_name = f"live_{policy}"
+        _replay(["--mode", "live", "--trace", str(trace), "--target", url,
+                 "--policy", policy, "--concurrency", "64", "--out", str(out),
+                 "--name", live_name, "--no-plots"])  # fmt: skip
+    sim_name = f"sim_{policy}"
+    _replay(["--mode", "sim", "--trace", str(trace), "--pods", str(len(pods)),
+             "--profile", str(profile), "--policy", policy, "--block-size", str(block_size),
+             "--routing-latency", f"{routing_s:.6f}", "--out", str(out), "--name", sim_name,
+             "--no-plots"])  # fmt: skip
+    return {
+        "routing_latency_s": round(routing_s, 6),
+        "live": _summary(out / f"{live_name}.json", policy),
+        "sim": _summary(out / f"{sim_name}.json", policy),
+    }
+
+
+def ranking(rows: dict[str, dict[str, Any]], mode: str, key: str) -> list[str]:
+    return sorted(rows, key=lambda p: rows[p][mode][key])
+
+
+def compare(
+    pods: Sequence[PodSpec],
+    profile: Path,
+    tokenizer_json: Path,
+    model: str,
+    block_size: int,
+    workdir: Path,
+    spec: TraceSpec = TraceSpec(),
+) -> dict[str, Any]:
+    trace = workdir / "sim_vs_live_trace.jsonl"
+    write_trace(spec, tokenizer_json, model, trace)
+    rows = {
+        policy: run_policy(policy, trace, pods, profile, model, block_size, workdir, spec)
+        for policy in POLICY_CONFIGS
+    }
+    for row in rows.values():
+        live, sim = row["live"]["ttft_p50_s"], row["sim"]["ttft_p50_s"]
+        row["sim_p50_error"] = round((sim - live) / live, 4)
+    rank = {
+        f"{mode}_{key}": ranking(rows, mode, key)
+        for mode in ("live", "sim")
+        for key in ("ttft_p50_s", "ttft_p90_s")
+    }
+    return {
+        "what": "TTFT of one trace replayed live (Envoy + epp serve + real vLLM pods) and in "
+        "epp replay --mode sim with a profile calibrated against the same pods",
+        "trace": {
+            "requests": spec.requests,
+            "groups": spec.groups,
+            "rates_per_s": list(spec.rates),
+            "output_tokens": spec.output_tokens,
+            "prompt_tokens_median": _median_prompt(trace),
+        },
+        "pods": len(pods),
+        "profile": yaml.safe_load(profile.read_text()),
+        "policies": rows,
+        "ranking": rank,
+        "ranking_agrees": rank["live_ttft_p50_s"] == rank["sim_ttft_p50_s"],
+        "p50_tolerance": P50_TOLERANCE,
+    }
+
+
+def _median_prompt(trace: Path) -> int:
+    sizes = [json.loads(line)["prompt_tokens"] for line in trace.read_text().splitlines()]
+    return int(statistics.median(sizes))
+
+
+def render(table: dict[str, Any]) -> str:
+    lines = [
+        "policy        mode  TTFT p50 ms  TTFT p90 ms  hit rate  routing ms",
+    ]
+    for policy, row in table["policies"].items():
+        for mode in ("live", "sim"):
+            s = row[mode]
+            lines.append(
+                f"{policy:13} {mode:5} {s['ttft_p50_s'] * 1000:11.1f} "
+                f"{s['ttft_p90_s'] * 1000:12.1f} {s['prefix_hit_rate']:9.2f} "
+                f"{row['routing_latency_s'] * 1000:10.1f}"
+            )
+        lines.append(f"{'':13} sim p50 error {row['sim_p50_error']:+.1%}")
+    lines.append(f"ranking agrees: {table['ranking_agrees']} {table['ranking']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pod", type=PodSpec.parse, action="append", required=True,
+                   metavar="ADDRESS[,KV_EVENTS[,KV_REPLAY]]",
+                   help="a vLLM pod (repeat)")  # fmt: skip
+    p.add_argument("--profile", type=Path, required=True, help="profile from epp calibrate")
+    p.add_argument("--tokenizer", type=Path, required=True, help="the model's tokenizer.json")
+    p.add_argument("--model", required=True, help="served model name")
+    p.add_argument("--block-size", type=int, required=True, help="the pods' KV block size")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    default = TraceSpec()
+    p.add_argument("--groups", type=int, default=default.groups, help="system prompts")
+    p.add_argument("--per-group", type=int, default=default.per_group, help="requests each")
+    p.add_argument("--rates", default=",".join(f"{r:g}" for r in default.rates),
+                   help="requests/s of the first half and of the second "
+                   "(default %(default)s)")  # fmt: skip
+    args = p.parse_args(argv)
+    first, second = (float(r) for r in args.rates.split(","))
+    spec = TraceSpec(groups=args.groups, per_group=args.per_group, rates=(first, second))
+    with tempfile.TemporaryDirectory(prefix="sim-vs-live-") as tmp:
+        table = compare(
+            args.pod, args.profile, args.tokenizer, args.model, args.block_size, Path(tmp), spec
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(table, indent=2) + "\n")
+    print(render(table))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
