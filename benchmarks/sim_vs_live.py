@@ -7,10 +7,11 @@ policy (`default` and `round-robin`):
 
 - live: a fresh `epp serve` with that policy and real Envoy in front of the pods; every
   pod's prefix cache is reset first (vLLM's `/reset_prefix_cache`, served when the pod runs
-  with `VLLM_SERVER_DEV_MODE=1`), then `epp replay --mode live` through Envoy;
-- sim: `epp replay --mode sim` with as many pods, the given (calibrated) profile, the
-  pods' block size, and as routing latency what the gateway was measured to add in front
-  of a pod in the same run (see `gateway_latency`).
+  with `VLLM_SERVER_DEV_MODE=1`) and the pods idle, then the replay's live mode (what
+  `epp replay --mode live` runs) sends the trace through Envoy;
+- sim: the replay's simulation (what `epp replay --mode sim` runs) with as many pods, the
+  given (calibrated) profile, the pods' block size, and as routing latency what the
+  gateway was measured to add in front of a pod in the same run (see `gateway_latency`).
 
 The table (TTFT p50/p90 per policy and mode, the sim's p50 error against live, and whether
 both modes rank the policies alike) goes to `benchmarks/results/sim_vs_live.json`.
@@ -41,8 +42,12 @@ import aiohttp
 import yaml
 
 from smart_epp.benchmarks.calibrate.probe import Probe
-from smart_epp.benchmarks.replay.live import read_stream
-from smart_epp.epp.cli import build_parser
+from smart_epp.benchmarks.replay.arrivals import scaled_arrivals
+from smart_epp.benchmarks.replay.cli import Workload, simulate_policy
+from smart_epp.benchmarks.replay.live import LiveOptions, read_stream, run_live
+from smart_epp.benchmarks.replay.report import RequestResult, summarize
+from smart_epp.benchmarks.replay.sim import SimConfig
+from smart_epp.benchmarks.replay.traces import load_trace
 from smart_epp.epp.demo import ProcessGroup, epp_argv, http_ok, post_ok, wait_for
 from smart_epp.epp.envoy_cmd import EnvoyOptions, envoy_command, render_envoy_config
 from smart_epp.epp.ports import free_port
@@ -224,52 +229,79 @@ async def gateway_latency(
     return max(0.0, added) + floor
 
 
-def _replay(argv: list[str]) -> None:
-    args = build_parser().parse_args(["replay", *argv])
-    code = args.func(args)
-    if code != 0:
-        raise RuntimeError(f"epp replay {' '.join(argv)} exited {code}")
+async def wait_idle(pods: Sequence[PodSpec], timeout_s: float = 120.0) -> None:
+    """Until no request runs or waits on any pod (vLLM's gauges), so a run starts alike."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            busy = 0.0
+            for pod in pods:
+                async with session.get(f"{pod.url}/metrics") as resp:
+                    page = await resp.text()
+                for family in text_string_to_metric_families(page):
+                    if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                        busy += sum(sample.value for sample in family.samples)
+            if busy == 0:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pods still busy after {timeout_s:.0f}s")
+            await asyncio.sleep(0.1)
 
 
-def _summary(path: Path, policy: str) -> dict[str, Any]:
-    s = json.loads(path.read_text())["policies"][policy]
+def summaries(results: Sequence[RequestResult], spec: TraceSpec) -> dict[str, Any]:
+    """The whole trace's summary, and one per arrival rate."""
     keep = ("ttft_p50_s", "ttft_p90_s", "completed", "failed", "prefix_hit_rate")
-    return {k: s[k] for k in keep}
+    half = spec.requests // 2
+    parts = {
+        "all": results,
+        f"{spec.rates[0]:g}/s": [r for r in results if r.index < half],
+        f"{spec.rates[1]:g}/s": [r for r in results if r.index >= half],
+    }
+    pods = sorted({r.pod for r in results if r.pod})
+    out = {}
+    for name, part in parts.items():
+        doc = summarize(part, pods).as_json()
+        out[name] = {k: doc[k] for k in keep}
+    return out
 
 
 def run_policy(
     policy: str,
-    trace: Path,
+    workload: Workload,
     pods: Sequence[PodSpec],
     profile: Path,
     model: str,
     block_size: int,
-    out: Path,
     spec: TraceSpec,
 ) -> dict[str, Any]:
-    """Live then sim for one policy; returns both summaries and the routing latency used."""
-    asyncio.run(reset_prefix_caches(pods))
+    """Live, then sim (what `epp replay --mode sim` runs) for one policy: summaries of both
+    and the routing latency the sim charged."""
     with live_gateway(pods, POLICY_CONFIGS[policy], model) as url:
         routing_s = asyncio.run(gateway_latency(url, pods, model, spec))
         asyncio.run(reset_prefix_caches(pods))
-        live_name = f"live_{policy}"
-        _replay(["--mode", "live", "--trace", str(trace), "--target", url,
-                 "--policy", policy, "--concurrency", "64", "--out", str(out),
-                 "--name", live_name, "--no-plots"])  # fmt: skip
-    sim_name = f"sim_{policy}"
-    _replay(["--mode", "sim", "--trace", str(trace), "--pods", str(len(pods)),
-             "--profile", str(profile), "--policy", policy, "--block-size", str(block_size),
-             "--routing-latency", f"{routing_s:.6f}", "--out", str(out), "--name", sim_name,
-             "--no-plots"])  # fmt: skip
+        asyncio.run(wait_idle(pods))
+        options = LiveOptions(target=url, concurrency=64)
+        live = asyncio.run(run_live(workload.requests, workload.arrivals, options))
+    config = SimConfig(
+        pods=len(pods),
+        profile=str(profile),
+        block_size=block_size,
+        model=model,
+        routing_latency_s=routing_s,
+    )
+    sim = simulate_policy(policy, workload, config, spec.seed)
     return {
         "routing_latency_s": round(routing_s, 6),
-        "live": _summary(out / f"{live_name}.json", policy),
-        "sim": _summary(out / f"{sim_name}.json", policy),
+        "live": summaries(live, spec),
+        "sim": summaries(sim, spec),
     }
 
 
 def ranking(rows: dict[str, dict[str, Any]], mode: str, key: str) -> list[str]:
-    return sorted(rows, key=lambda p: rows[p][mode][key])
+    """Policies best first by `key` over the whole trace."""
+    return sorted(rows, key=lambda p: rows[p][mode]["all"][key])
 
 
 def compare(
@@ -283,13 +315,17 @@ def compare(
 ) -> dict[str, Any]:
     trace = workdir / "sim_vs_live_trace.jsonl"
     write_trace(spec, tokenizer_json, model, trace)
+    requests = load_trace(trace)
+    workload = Workload(requests, scaled_arrivals(requests))
     rows = {
-        policy: run_policy(policy, trace, pods, profile, model, block_size, workdir, spec)
+        policy: run_policy(policy, workload, pods, profile, model, block_size, spec)
         for policy in POLICY_CONFIGS
     }
     for row in rows.values():
-        live, sim = row["live"]["ttft_p50_s"], row["sim"]["ttft_p50_s"]
-        row["sim_p50_error"] = round((sim - live) / live, 4)
+        row["sim_p50_error"] = {
+            part: round((row["sim"][part]["ttft_p50_s"] / live["ttft_p50_s"]) - 1, 4)
+            for part, live in row["live"].items()
+        }
     rank = {
         f"{mode}_{key}": ranking(rows, mode, key)
         for mode in ("live", "sim")
@@ -320,18 +356,18 @@ def _median_prompt(trace: Path) -> int:
 
 
 def render(table: dict[str, Any]) -> str:
-    lines = [
-        "policy        mode  TTFT p50 ms  TTFT p90 ms  hit rate  routing ms",
-    ]
+    lines = ["policy        arrivals mode  TTFT p50 ms  TTFT p90 ms  hit rate  sim p50 error"]
     for policy, row in table["policies"].items():
-        for mode in ("live", "sim"):
-            s = row[mode]
-            lines.append(
-                f"{policy:13} {mode:5} {s['ttft_p50_s'] * 1000:11.1f} "
-                f"{s['ttft_p90_s'] * 1000:12.1f} {s['prefix_hit_rate']:9.2f} "
-                f"{row['routing_latency_s'] * 1000:10.1f}"
-            )
-        lines.append(f"{'':13} sim p50 error {row['sim_p50_error']:+.1%}")
+        for part in row["live"]:
+            for mode in ("live", "sim"):
+                s = row[mode][part]
+                error = f"{row['sim_p50_error'][part]:+.1%}" if mode == "sim" else ""
+                lines.append(
+                    f"{policy:13} {part:8} {mode:5} {s['ttft_p50_s'] * 1000:11.1f} "
+                    f"{s['ttft_p90_s'] * 1000:12.1f} {s['prefix_hit_rate']:9.2f}  {error}"
+                )
+        lines.append(f"{policy:13} routing latency charged in the sim: "
+                     f"{row['routing_latency_s'] * 1000:.1f} ms")  # fmt: skip
     lines.append(f"ranking agrees: {table['ranking_agrees']} {table['ranking']}")
     return "\n".join(lines)
 

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.net import free_port
 from support.paths import VLLM_FIXTURES
 
 from smart_epp.benchmarks.replay.traces import load_trace
 from smart_epp.benchmarks.sim_vs_live import TraceSpec, main, write_trace
+from smart_epp.epp.ports import free_port_block
 
 TOKENIZER_DIR = VLLM_FIXTURES / "model" / "tiny-model"
 MODEL = "tiny"
@@ -63,7 +63,7 @@ def sim_pods(tmp_path: Path) -> Iterator[list[str]]:
         check=True,
     ).stdout
     profile.write_text(printed)
-    base, kv = free_port(), free_port()
+    base, kv = free_port_block(2), free_port_block(4)  # HTTP; KV PUB, then replay
     argv = [*EPP, "sim",
             "--pods", "2", "--model", MODEL, "--block-size", str(BLOCK_SIZE),
             "--num-blocks", "128", "--profile", str(profile), "--tokenizer", str(TOKENIZER_DIR),
@@ -72,7 +72,9 @@ def sim_pods(tmp_path: Path) -> Iterator[list[str]]:
     try:
         assert proc.stdout is not None
         lines = [proc.stdout.readline() for _ in range(2)]
-        assert all(line.startswith("pod ") for line in lines), proc.stderr
+        if not all(line.startswith("pod ") for line in lines):
+            proc.terminate()
+            raise AssertionError(f"epp sim did not start: {lines} {proc.communicate()[1]}")
         specs = []
         for line in lines:
             words = line.split()
@@ -101,9 +103,12 @@ def test_a_run_against_sim_pods_replays_every_request_both_ways_for_both_policie
     for row in table["policies"].values():
         assert row["routing_latency_s"] > 0
         for mode in ("live", "sim"):
-            assert row[mode]["completed"] == 12 and row[mode]["failed"] == 0
-            assert row[mode]["ttft_p50_s"] > 0
-        assert row["sim_p50_error"] == pytest.approx(
-            row["sim"]["ttft_p50_s"] / row["live"]["ttft_p50_s"] - 1, abs=1e-3
+            parts = row[mode]
+            assert set(parts) == {"all", "10/s", "20/s"}
+            assert parts["all"]["completed"] == 12 and parts["all"]["failed"] == 0
+            assert parts["10/s"]["completed"] == parts["20/s"]["completed"] == 6
+            assert parts["all"]["ttft_p50_s"] > 0
+        assert row["sim_p50_error"]["all"] == pytest.approx(
+            row["sim"]["all"]["ttft_p50_s"] / row["live"]["all"]["ttft_p50_s"] - 1, abs=1e-3
         )
     assert sorted(table["ranking"]["live_ttft_p50_s"]) == ["default", "round-robin"]
