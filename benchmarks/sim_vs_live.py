@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -41,13 +42,14 @@ from typing import Any
 import aiohttp
 import yaml
 
-from smart_epp.benchmarks.calibrate.probe import Probe
+from smart_epp.benchmarks.calibrate.probe import Probe, Prompts
 from smart_epp.benchmarks.replay.arrivals import scaled_arrivals
 from smart_epp.benchmarks.replay.cli import Workload, simulate_policy
 from smart_epp.benchmarks.replay.live import LiveOptions, read_stream, run_live
 from smart_epp.benchmarks.replay.report import RequestResult, summarize
 from smart_epp.benchmarks.replay.sim import SimConfig
 from smart_epp.benchmarks.replay.traces import load_trace
+from smart_epp.benchmarks.sim.profiles import LatencyProfile, load_profile_file
 from smart_epp.epp.demo import ProcessGroup, epp_argv, http_ok, post_ok, wait_for
 from smart_epp.epp.envoy_cmd import EnvoyOptions, envoy_command, render_envoy_config
 from smart_epp.epp.ports import free_port
@@ -229,6 +231,31 @@ async def gateway_latency(
     return max(0.0, added) + floor
 
 
+async def pod_slowdown(
+    pods: Sequence[PodSpec], profile: LatencyProfile, model: str, tokens: int, seed: int
+) -> float:
+    """How much slower the pods answer a cold prompt of `tokens` now than the profile
+    predicts (1.0 = as calibrated): the median over the pods of the median of 3 fresh
+    prompts each, less the HTTP round trip, as `epp calibrate` measures. On a machine
+    shared with other work it says how far the pods' speed drifted since calibration."""
+    predicted = (
+        profile.step_overhead_s + profile.prefill_s_per_request + profile.prefill_seconds(tokens)
+    )
+    prompts = Prompts(seed=seed)
+    ratios = []
+    async with aiohttp.ClientSession() as session:
+        for pod in pods:
+            probe = Probe(session, pod.url, model)
+            floor = await probe.round_trip_floor()
+            times = []
+            for _ in range(3):
+                timing = await probe.stream(prompts.make(tokens), 1)
+                assert timing.ttft_s is not None
+                times.append(timing.ttft_s - floor)
+            ratios.append(statistics.median(times) / predicted)
+    return statistics.median(ratios)
+
+
 async def wait_idle(pods: Sequence[PodSpec], timeout_s: float = 120.0) -> None:
     """Until no request runs or waits on any pod (vLLM's gauges), so a run starts alike."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -278,12 +305,23 @@ def run_policy(
 ) -> dict[str, Any]:
     """Live, then sim (what `epp replay --mode sim` runs) for one policy: summaries of both
     and the routing latency the sim charged."""
+    calibrated = load_profile_file(profile)
+    size = int(statistics.median(r.input_tokens for r in workload.requests))
+    conditions: dict[str, Any] = {"load_average_1m_before": round(os.getloadavg()[0], 2)}
     with live_gateway(pods, POLICY_CONFIGS[policy], model) as url:
         routing_s = asyncio.run(gateway_latency(url, pods, model, spec))
+        conditions["pod_slowdown_before"] = round(
+            asyncio.run(pod_slowdown(pods, calibrated, model, size, seed=1)), 3
+        )
         asyncio.run(reset_prefix_caches(pods))
         asyncio.run(wait_idle(pods))
         options = LiveOptions(target=url, concurrency=64)
         live = asyncio.run(run_live(workload.requests, workload.arrivals, options))
+        asyncio.run(wait_idle(pods))
+        conditions["pod_slowdown_after"] = round(
+            asyncio.run(pod_slowdown(pods, calibrated, model, size, seed=2)), 3
+        )
+    conditions["load_average_1m_after"] = round(os.getloadavg()[0], 2)
     config = SimConfig(
         pods=len(pods),
         profile=str(profile),
@@ -294,6 +332,7 @@ def run_policy(
     sim = simulate_policy(policy, workload, config, spec.seed)
     return {
         "routing_latency_s": round(routing_s, 6),
+        "conditions": conditions,
         "live": summaries(live, spec),
         "sim": summaries(sim, spec),
     }
@@ -342,6 +381,7 @@ def compare(
             "prompt_tokens_median": _median_prompt(trace),
         },
         "pods": len(pods),
+        "cpus": os.cpu_count(),
         "profile": yaml.safe_load(profile.read_text()),
         "policies": rows,
         "ranking": rank,
@@ -366,8 +406,13 @@ def render(table: dict[str, Any]) -> str:
                     f"{policy:13} {part:8} {mode:5} {s['ttft_p50_s'] * 1000:11.1f} "
                     f"{s['ttft_p90_s'] * 1000:12.1f} {s['prefix_hit_rate']:9.2f}  {error}"
                 )
+        c = row["conditions"]
         lines.append(f"{policy:13} routing latency charged in the sim: "
-                     f"{row['routing_latency_s'] * 1000:.1f} ms")  # fmt: skip
+                     f"{row['routing_latency_s'] * 1000:.1f} ms; pods' cold-prompt time vs "
+                     f"profile {c['pod_slowdown_before']:.2f}x before, "
+                     f"{c['pod_slowdown_after']:.2f}x after; load average "
+                     f"{c['load_average_1m_before']:.1f} -> {c['load_average_1m_after']:.1f} "
+                     f"on {os.cpu_count()} CPUs")  # fmt: skip
     lines.append(f"ranking agrees: {table['ranking_agrees']} {table['ranking']}")
     return "\n".join(lines)
 
