@@ -16,6 +16,7 @@ import pytest
 from support.net import free_port
 from support.paths import TOOLS_TEMPLATE
 from vllm_pods import (
+    GATEWAY_SCRAPE_INTERVAL_S,
     MODEL_DIR,
     PodConfig,
     VllmPod,
@@ -105,12 +106,14 @@ def calibration_pod(
 
 @pytest.fixture(scope="session")
 def calibrated_profile(calibration_pod: VllmPod, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The profile `epp calibrate` writes for the pod (vLLM CPU defaults: chunk 2048, 128 seqs)."""
+    """The profile `epp calibrate` writes for the pod (vLLM CPU defaults: chunk 2048, 128 seqs),
+    measured while its /metrics is scraped as often as `epp serve` scrapes it."""
     out = tmp_path_factory.mktemp("calibrate") / "cpu-tiny-calibrated.yaml"
     args = build_parser().parse_args(
         ["calibrate", "--target", calibration_pod.url, "--out", str(out),
          "--name", "cpu-tiny-calibrated", "--max-num-batched-tokens", "2048",
-         "--max-num-seqs", "128", "--repeats", "5"]
+         "--max-num-seqs", "128", "--repeats", "5",
+         "--scrape-interval", str(GATEWAY_SCRAPE_INTERVAL_S)]
     )  # fmt: skip
     started = time.monotonic()
     assert args.func(args) == 0

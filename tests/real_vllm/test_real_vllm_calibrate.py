@@ -21,12 +21,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.net import async_wait_until, free_port
 from vllm_pods import (
     BLOCK_SIZE,
+    GATEWAY_SCRAPE_INTERVAL_S,
     SERVED_MODEL,
     VllmPod,
     die_with_parent,
     stop_process_group,
 )
 
+from smart_epp.benchmarks.calibrate.cli import scraping
 from smart_epp.benchmarks.calibrate.probe import Probe, Prompts
 from smart_epp.benchmarks.sim.profiles import load_profile_file
 
@@ -86,7 +88,12 @@ async def cold_ttfts(real_url: str, sim_url: str) -> list[tuple[int, float, floa
     prompts = Prompts(seed=11)
     real_times: dict[int, list[float]] = {n: [] for n in COLD_LENGTHS}
     sim_times: dict[int, list[float]] = {n: [] for n in COLD_LENGTHS}
-    async with aiohttp.ClientSession() as session:
+    async with (
+        aiohttp.ClientSession() as session,
+        # As during calibration: both pods scraped as often as the gateway scrapes them.
+        scraping(session, real_url, GATEWAY_SCRAPE_INTERVAL_S),
+        scraping(session, sim_url, GATEWAY_SCRAPE_INTERVAL_S),
+    ):
         real, sim = Probe(session, real_url, SERVED_MODEL), Probe(session, sim_url, SERVED_MODEL)
         for run in range(REPEATS):
             for n in COLD_LENGTHS:

@@ -33,6 +33,8 @@ LAUNCHER = REPO / "deploy" / "vllm" / "vllm_launcher.py"
 MODEL_DIR = VLLM_FIXTURES / "model"
 SERVED_MODEL = "tiny"
 BLOCK_SIZE = 32  # the CPU backend needs a multiple of 32
+# epp serve's default metrics scrape period: the load a pod behind the gateway carries.
+GATEWAY_SCRAPE_INTERVAL_S = 0.05
 
 
 def cache_root() -> Path:
