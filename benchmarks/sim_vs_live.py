@@ -33,6 +33,7 @@ import os
 import random
 import statistics
 import tempfile
+from collections import Counter
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -291,6 +292,8 @@ def summaries(results: Sequence[RequestResult], spec: TraceSpec) -> dict[str, An
     for name, part in parts.items():
         doc = summarize(part, pods).as_json()
         out[name] = {k: doc[k] for k in keep}
+        # Why requests failed: an HTTP status or the client's error name, with counts.
+        out[name]["failures"] = dict(Counter(str(r.status) for r in part if not r.ok))
     return out
 
 
