@@ -33,8 +33,8 @@ import os
 import random
 import statistics
 import tempfile
-from collections import Counter
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
