@@ -17,7 +17,8 @@ The table (TTFT p50/p90 per policy and mode, the sim's p50 error against live, a
 both modes rank the policies alike) goes to `benchmarks/results/sim_vs_live.json`.
 
     .venv/bin/python benchmarks/sim_vs_live.py --pod 127.0.0.1:8001,tcp://127.0.0.1:5557,\
-tcp://127.0.0.1:5558 --pod ... --profile calibrated.yaml --tokenizer DIR --model tiny
+tcp://127.0.0.1:5558 --pod ... --profile calibrated.yaml --tokenizer DIR/tokenizer.json \
+--model tiny --block-size 32
 
 The real-vLLM test tier runs it against two vLLM CPU pods with the tiny test model,
 calibrated with `epp calibrate` (tests/real_vllm/test_real_vllm_sim_vs_live.py).
@@ -144,6 +145,7 @@ class PodSpec:
 @contextlib.contextmanager
 def live_gateway(pods: Sequence[PodSpec], config: str | None, model: str) -> Iterator[str]:
     """`epp serve` (with `config`) and Envoy in front of the pods; yields Envoy's URL."""
+    # Kept afterwards: epp's and Envoy's logs there explain a run that went wrong.
     workdir = Path(tempfile.mkdtemp(prefix="sim-vs-live-"))
     group = ProcessGroup(workdir)
     try:
