@@ -36,7 +36,8 @@ class EnvoyOptions:
     listen_port: int = 8081
     epp_port: int = 9002
     epp_host: str = "127.0.0.1"
-    body_mode: BodyModeName = "full-duplex"
+    # None: what the failure mode needs (see body_mode_for).
+    body_mode: BodyModeName | None = None
     failure_mode: FailureModeName = "close"
     response_path: ResponsePathName = "access-log"
     # How long Envoy gathers access-log records before sending a batch to the picker.
@@ -84,12 +85,26 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def render_envoy_config(options: EnvoyOptions) -> str:
-    """The Envoy bootstrap YAML for `options` (see deploy/envoy/README.md)."""
-    if options.body_mode not in ("buffered", "full-duplex"):
-        raise ValueError(f"body mode must be buffered or full-duplex, not {options.body_mode!r}")
+def body_mode_for(options: EnvoyOptions) -> BodyModeName:
+    """The body mode to render: the one asked for, else buffered with fail-open and
+    full-duplex (the Inference Extension's mode) with fail-close.
+
+    Fail-open must also serve a request whose picker dies while deciding it. In buffered
+    mode Envoy still holds the body then and sends it to the pool; in full-duplex the
+    body has already been handed to the picker, and Envoy can only answer 503.
+    """
     if options.failure_mode not in ("open", "close"):
         raise ValueError(f"failure mode must be open or close, not {options.failure_mode!r}")
+    if options.body_mode is None:
+        return "buffered" if options.failure_mode == "open" else "full-duplex"
+    if options.body_mode not in ("buffered", "full-duplex"):
+        raise ValueError(f"body mode must be buffered or full-duplex, not {options.body_mode!r}")
+    return options.body_mode
+
+
+def render_envoy_config(options: EnvoyOptions) -> str:
+    """The Envoy bootstrap YAML for `options` (see deploy/envoy/README.md)."""
+    body_mode = body_mode_for(options)
     if options.response_path not in ("access-log", "ext-proc"):
         raise ValueError(
             f"response path must be access-log or ext-proc, not {options.response_path!r}"
@@ -125,7 +140,7 @@ def render_envoy_config(options: EnvoyOptions) -> str:
         epp_replicas=replicas,
         epp_health_port=options.epp_health_port,
         epp_cluster_type="STATIC" if all(_is_ip(h) for h, _ in replicas) else "STRICT_DNS",
-        body_mode=options.body_mode,
+        body_mode=body_mode,
         failure_mode=options.failure_mode,
         response_path=options.response_path,
         access_log_flush_ms=options.access_log_flush_ms,
@@ -226,7 +241,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the replicas' gRPC health port, health-checked every second (default: "
         "their ext_proc port, which serves the same health service)",
     )
-    parser.add_argument("--body-mode", choices=("buffered", "full-duplex"), default="full-duplex")
+    parser.add_argument(
+        "--body-mode",
+        choices=("buffered", "full-duplex"),
+        default=None,
+        help="how the request body reaches the picker (default: buffered with "
+        "--failure-mode open, so a request whose picker dies mid-decision is still served "
+        "from the pool; full-duplex with close)",
+    )
     parser.add_argument("--failure-mode", choices=("open", "close"), default="close")
     parser.add_argument(
         "--response-path",
@@ -304,11 +326,19 @@ def options_from_args(args: argparse.Namespace) -> EnvoyOptions:
 
 
 def run(args: argparse.Namespace, argv_tail: Sequence[str] = ()) -> int:
+    options = options_from_args(args)
     try:
-        config = render_envoy_config(options_from_args(args))
+        config = render_envoy_config(options)
     except ValueError as exc:
         print(f"epp envoy: {exc}", file=sys.stderr)
         return 2
+    if options.failure_mode == "open" and options.body_mode == "full-duplex":
+        print(
+            "epp envoy: with full-duplex bodies, a request whose picker dies while deciding "
+            "it gets a 503 even in fail-open (Envoy no longer holds its body); the "
+            "default buffered mode serves it from the pool",
+            file=sys.stderr,
+        )
     if args.print_config:
         sys.stdout.write(config)
         return 0

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from ..framework.types import PodState
 from ..kv_index.api import BlockIndex
+from ..kv_index.catch_up import DEFAULT_CATCH_UP_TIMEOUT_S, CatchUp
 from ..kv_index.curve import CurveServerConfig
 from ..kv_index.ingest import IngestState
 from ..kv_index.manager import KVEventManager
@@ -56,6 +57,7 @@ from .k8s_discovery import (
 from .model_catalog import ModelCatalog, ModelCatalogPoller, ServedModels
 from .model_routing import ServedModelFilter
 from .prefix_audit import PrefixAudit
+from .readiness import ready_when_caught_up
 from .request_limits import DEFAULT_ALLOWED_PATHS, RequestLimits
 from .scheduler import build_scheduler
 from .scrape import MetricsScraper
@@ -104,6 +106,8 @@ class ServeOptions:
     kv_index: KVIndexKind = "memory"
     kv_index_capacity: int = DEFAULT_CAPACITY
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Health stays NOT_SERVING until every pod's index caught up, at most this long.
+    catch_up_timeout_s: float = DEFAULT_CATCH_UP_TIMEOUT_S
     scrape_interval_s: float = 0.05
     models_poll_s: float = 2.0
     # Recorded-traffic JSONL for `epp replay --format recorded`; None = not recorded.
@@ -386,8 +390,19 @@ async def serve(
             options.metrics_port,
             host=options.host,
             tls=credentials,
+            ready=events is None,
         )
         serving = True
+        if events is not None:
+            shared = index if isinstance(index, RedisBlockIndex) else None
+            catch_up = CatchUp(
+                events,
+                lambda: [pod.address for pod in datastore.pods()],
+                (lambda: shared.store_synced) if shared is not None else None,
+            )
+            background.spawn(
+                ready_when_caught_up(server, catch_up, options.catch_up_timeout_s, stop)
+            )
         log.info(
             "epp serving ext_proc (%s) on %s:%d (health :%d, metrics :%d) with %d endpoints; "
             "KV events %s, %s index",
@@ -672,6 +687,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default %(default)s)",
     )
     kv.add_argument(
+        "--catch-up-timeout",
+        type=_positive(float),
+        default=DEFAULT_CATCH_UP_TIMEOUT_S,
+        metavar="SECONDS",
+        help="at start, readiness stays NOT_SERVING until every pod's index has caught up "
+        "(its replay socket's buffer applied, or the shared Redis index reachable; a pod "
+        "whose replay socket does not answer is not waited for), at most this long "
+        "(default %(default)s)",
+    )
+    kv.add_argument(
         "--redis-url",
         default="redis://127.0.0.1:6379/0",
         help="Redis server of --kv-index redis (default %(default)s)",
@@ -798,6 +823,7 @@ def run(args: argparse.Namespace) -> int:
         kv_index=args.kv_index,
         kv_index_capacity=args.kv_index_capacity,
         redis_url=args.redis_url,
+        catch_up_timeout_s=args.catch_up_timeout,
         scrape_interval_s=args.scrape_interval,
         models_poll_s=args.models_poll_interval,
         record_traffic=args.record_traffic,

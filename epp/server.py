@@ -443,11 +443,13 @@ class EppServer:
         metrics_port: int | None = 9090,
         host: str = "0.0.0.0",
         tls: grpc.ServerCredentials | None = None,
+        ready: bool = True,
     ) -> None:
         """Starts serving; a port of 0 picks a free one (see the *_port attributes).
 
         With `tls`, the ext_proc port serves TLS; the health port stays plaintext, as
-        kubelet's gRPC probe speaks it."""
+        kubelet's gRPC probe speaks it. With `ready=False` only liveness answers SERVING
+        until `set_serving(True)` (a replica still catching up)."""
         options = [
             ("grpc.so_reuseport", 0),
             # Envoy keeps one HTTP/2 connection with many streams; allow plenty of them.
@@ -472,7 +474,9 @@ class EppServer:
             health_pb2_grpc.add_HealthServicer_to_server(self._health_servicer, self._health)
             self.health_port = self._health.add_insecure_port(f"{bind}:{health_port}")
             await self._health.start()
-        await self.set_serving(True)
+        await self.set_serving(ready)
+        if not ready:
+            await self._health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         if metrics_port is not None:
             self.metrics_port = self.metrics.serve(metrics_port, host)
         self._expiry = asyncio.create_task(self._expire_overdue())

@@ -82,6 +82,15 @@ REDIS_DIVERGENCE = Gauge(
 REDIS_ERRORS = Counter(
     "smart_epp_kv_redis_errors_total", "Redis index operations that failed", ["op"]
 )
+CATCH_UP_SECONDS = Gauge(
+    "smart_epp_kv_catch_up_seconds",
+    "How long this replica's start waited for every pod's index to catch up before it "
+    "reported ready",
+)
+CATCH_UP_PENDING = Gauge(
+    "smart_epp_kv_catch_up_pending_pods",
+    "Pods whose index had not caught up when this replica reported ready (the wait ran out)",
+)
 
 _PER_POD = (
     EVENTS,

@@ -283,6 +283,12 @@ class RedisBlockIndex:
 
     # ---- availability ------------------------------------------------------------------
 
+    @property
+    def store_synced(self) -> bool:
+        """Whether the shared store is reachable and this replica has joined its current
+        generation (one `check()` has run): lookups then read what every replica wrote."""
+        return self.up and self._epoch is not None
+
     def _should_try(self) -> bool:
         return self.up or time.monotonic() - self._down_since >= self.retry_after_s
 

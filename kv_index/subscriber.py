@@ -112,6 +112,10 @@ class PodEventStream:
         self.replay_backoff_s = replay_backoff_s
         self._replay_blocked_until = 0.0
         self._last_topic = b""
+        # Catch-up on start (readiness waits for it, see kv_index/catch_up.py): whether the
+        # first resync has run, and whether a replay from 0 applied the pod's buffer.
+        self.sync_attempted = asyncio.Event()
+        self.caught_up = asyncio.Event()
         # Warnings a broken or hostile publisher could repeat every batch: once a minute.
         self._log_throttle = LogThrottle(warn_interval_s)
         ingest.register_pod(pod, model)
@@ -132,10 +136,18 @@ class PodEventStream:
             tracker = self._trackers[rank] = SequenceTracker()
         return tracker
 
+    @property
+    def replayable(self) -> bool:
+        """Whether the pod has a replay socket to catch up from."""
+        return self._replay_for_rank is not None
+
     async def resync(self, rank: int = 0) -> None:
         """Fetches whatever the pod still buffers (used right after connecting)."""
-        async with self._lock:
-            await self._replay(rank, 0, None)
+        try:
+            async with self._lock:
+                await self._replay(rank, 0, None)
+        finally:
+            self.sync_attempted.set()
 
     async def handle(self, seq: int, payload: bytes) -> None:
         async with self._lock:
@@ -185,6 +197,10 @@ class PodEventStream:
                 return
             verdict, start = tracker.observe(seq, batch.ts)
         if verdict is Verdict.GAP:
+            if tracker.expected is None:
+                # The first live batch: the pod is up now, whatever an earlier replay
+                # (before it had started) ran into.
+                self._replay_blocked_until = 0.0
             missing = seq - start
             recovered = await self._replay(rank, start, seq)
             if recovered < missing:
@@ -197,6 +213,8 @@ class PodEventStream:
                     recovered,
                 )
         await self._apply(rank, seq, batch)
+        if seq == 0:
+            self.caught_up.set()  # live from the process's first batch: nothing missed
 
     async def _same_process(self, rank: int) -> bool | None:
         """Whether the pod still buffers our last applied batch with the same timestamp
@@ -300,6 +318,8 @@ class PodEventStream:
             return applied
         metrics.REPLAYS.labels(self.pod, "ok").inc()
         metrics.REPLAYED_BATCHES.labels(self.pod).inc(applied)
+        if start == 0 and not restarted:
+            self.caught_up.set()  # everything the pod still buffers is applied
         if restarted:
             metrics.RESTARTS.labels(self.pod).inc()
             log.info("kv events: %s restarted while its batches were lost", self.pod)

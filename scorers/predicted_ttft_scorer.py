@@ -3,9 +3,9 @@ and pick the pod where a request costs the pool least.
 
 Per candidate pod:
 
-    ttft = learned(tokens ahead + own uncached tokens,      scorers/ttft_model.py: per pod,
-                   attention pairs of that work,             c0 + c1 tokens + c2 pairs
-                   running requests)                         + c3 running, fitted online
+    ttft = learned(tokens ahead + own uncached tokens,      scorers/ttft_model.py: k_pod x
+                   attention pairs of that work,             (c0 + c1 tokens + c2 pairs
+                   running requests)                         + c3 running), fitted online
          + cpu_tier_tokens / cpuTierTokensPerSecond          held tokens back from CPU
          + adapter load, or the wait for a free LoRA slot
          + KV wait                                           no free KV for the prompt
@@ -301,17 +301,18 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
         hit_list: list[float] = []
         own_list: list[tuple[float, float, float]] = []
         ahead_list: list[tuple[float, float, float]] = []
-        pod_fits = learner.pods
-        own_after = learner.own_after
+        speeds = learner.pods
         pool_c = learner.pool.c
+        typical = learner.typical_scale()
         learnable_list: list[bool] = []
         for pod in pods:
             address = pod.endpoint.address
             m = pod.metrics
             ok = m.scraped_at == 0.0 or now - m.scraped_at <= stale_after
             model = models.get(address)
-            fit = pod_fits.get(address)
-            c0, c1, c2, c3 = fit.c if fit is not None and fit.samples >= own_after else pool_c
+            speed = speeds.get(address)
+            k = speed.scale if speed is not None else typical
+            c0, c1, c2, c3 = k * pool_c[0], k * pool_c[1], k * pool_c[2], k * pool_c[3]
             hit_tokens = 0.0
             cpu_s = 0.0
             held = hits.get(address)

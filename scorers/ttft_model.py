@@ -1,29 +1,34 @@
 """An online model of one pool's time to first token, learned from the gateway's own view.
 
-Per pod, TTFT is modelled as linear in four features of the moment a request is sent:
+TTFT on pod p is modelled as the pod's speed factor k_p times a cost shape shared by the
+pool, linear in four features of the moment a request is sent:
 
-    ttft ~= c0                          fixed cost (scheduling, first step, network)
+    ttft ~= k_p * (c0                          fixed cost (scheduling, first step, network)
           + c1 * tokens                 uncached prompt tokens to compute: the queue ahead
                                         of the request plus its own (weights, per token)
           + c2 * pairs                  causal attention pairs of that work: n new tokens
                                         after `cached` ones attend to n * (cached + n / 2)
-          + c3 * running                decode batch sharing the prefill steps
+          + c3 * running)               decode batch sharing the prefill steps
 
 `tokens` and `pairs` are in thousands and millions so one prior scale suits every pod.
 The coefficients are fitted by recursive least squares with a forgetting factor (recent
-samples weigh more, so a pod that slows down is followed within a few dozen answers),
-projected onto c >= 0 after each update (no cost term can be negative), with residuals
-clipped at a multiple of their running scale (one preempted or paused request must not
-drag the fit) and the covariance kept within its prior (the state stays bounded even when
-the features do not vary). A pool-wide model learns from every pod's answers and is the
-prior of a pod seen for the first time, so a new pod starts from what its peers showed.
+samples weigh more), projected onto c >= 0 after each update (no cost term can be
+negative), with residuals clipped at a multiple of their running scale (one preempted or
+paused request must not drag the fit) and the covariance kept within its prior (the state
+stays bounded even when the features do not vary). The shape is fitted on every pod's
+answers, each divided by its pod's factor: one pod's answers alone often cannot separate
+the terms (a pod serving mostly cache hits sees nearly the same features every time, and
+a per-pod fit then trades the per-token cost for the fixed one and prices a cold prompt
+on that pod far too cheaply). k_p is a running mean of log(measured / predicted) per
+pod, so a slower device or a pod that slows down is followed within a few answers, and a
+pod not heard from yet runs like the pods that were.
 
 Pure: no clock, no I/O; time arrives as arguments.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
 from dataclasses import dataclass, field
 
 TOKEN_UNIT = 1e3  # features in thousands of tokens ...
@@ -254,24 +259,56 @@ class Snapshot:
     running: float
 
 
-class TTFTLearner:
-    """Per-pod TTFT models plus the pool-wide prior they start from, with bounded state."""
+@dataclass(slots=True)
+class PodSpeed:
+    """How much slower (> 1) or faster (< 1) one pod answers than the pool's cost shape
+    predicts: a running mean of log(measured / predicted)."""
 
-    def __init__(
-        self, prior: Prior, forgetting: float = 0.97, max_pods: int = 4096, own_after: int = 8
-    ) -> None:
+    log_scale: float = 0.0
+    samples: int = 0
+    scale: float = 1.0
+
+
+# How far one answer moves a pod's speed factor once it has a few, and the largest ratio an
+# answer counts with after that: a paused or preempted request moves the factor by at most
+# 6%, a pod that became 2x slower is priced at 1.7x within about fifteen answers (sooner
+# when the shape moves too), and the first answers are averaged, so a pod of another kind
+# is placed at once. A faster rate follows pods sooner but lets queueing noise in the
+# answers make identical pods look different (measured in the README's policy grid).
+SPEED_RATE = 0.08
+SPEED_SETTLED = 4
+SPEED_RATIO_LIMIT = 2.0
+
+
+class TTFTLearner:
+    """One cost shape for the pool, one speed factor per pod, with bounded state.
+
+    The pods of one pool serve one model, normally on one kind of accelerator, so how TTFT
+    grows with queued work, prompt length and attention is shared: the pool-wide model
+    learns it from every pod's answers, which vary far more than one pod's (a pod that
+    mostly serves cache hits sees nearly constant features and could not tell a fixed cost
+    from a per-token one on its own). What differs between pods — a slower device, a noisy
+    neighbour, throttling — is a factor on the whole prediction, learned per pod."""
+
+    def __init__(self, prior: Prior, forgetting: float = 0.97, max_pods: int = 4096) -> None:
         self.prior = prior
         self.forgetting = forgetting
-        self.own_after = own_after
         self.max_pods = max_pods
         self.pool = LinearTTFT.from_prior(prior, forgetting)
-        self.pods: dict[str, LinearTTFT] = {}
+        self.pods: dict[str, PodSpeed] = {}
+        self._log_scale_sum = 0.0
 
-    def model(self, address: str) -> LinearTTFT:
-        """The pod's own fit once it rests on `own_after` answers, else the pool's: a
-        handful of samples tells a pod's noise more than its speed."""
-        own = self.pods.get(address)
-        return own if own is not None and own.samples >= self.own_after else self.pool
+    def typical_scale(self) -> float:
+        """A pod not heard from yet is taken to run like the pods that were: the pool's
+        shape is learned in their units (geometric mean of their factors)."""
+        return math.exp(self._log_scale_sum / len(self.pods)) if self.pods else 1.0
+
+    def scale(self, address: str) -> float:
+        speed = self.pods.get(address)
+        return speed.scale if speed is not None else self.typical_scale()
+
+    def predict(self, address: str, tokens: float, pairs: float, running: float) -> float:
+        return self.scale(address) * self.pool.predict(tokens, pairs, running)
 
     def observe(
         self,
@@ -289,14 +326,34 @@ class TTFTLearner:
         own = float(prompt_tokens - cached)
         tokens = ahead.tokens_ahead + own
         pairs = ahead.pairs_ahead + attention_pairs(own, cached)
-        model = self.pods.get(address)
-        if model is None:
+        speed = self.pods.get(address)
+        if speed is None:
             if len(self.pods) >= self.max_pods:
-                self.pods.pop(next(iter(self.pods)))
-            model = self.pods[address] = self.pool.copy()
-        model.observe(ttft_s, tokens, pairs, ahead.running)
-        self.pool.observe(ttft_s, tokens, pairs, ahead.running)
+                self._log_scale_sum -= self.pods.pop(next(iter(self.pods))).log_scale
+            typical = self.typical_scale()
+            speed = self.pods[address] = PodSpeed(math.log(typical), 0, typical)
+            self._log_scale_sum += speed.log_scale
+        predicted = self.pool.predict(tokens, pairs, ahead.running)
+        if predicted > 0:
+            before = speed.scale
+            ratio = ttft_s / (before * predicted)
+            rate = max(SPEED_RATE, 1.0 / (speed.samples + 1))
+            if speed.samples >= SPEED_SETTLED:
+                # An answer far off the prediction (a paused or preempted request) counts
+                # as at most SPEED_RATIO_LIMIT off, for the factor and for the shape.
+                ratio = min(SPEED_RATIO_LIMIT, max(1.0 / SPEED_RATIO_LIMIT, ratio))
+                ttft_s = ratio * before * predicted
+            step = rate * math.log(ratio)
+            speed.log_scale += step
+            self._log_scale_sum += step
+            speed.scale = math.exp(speed.log_scale)
+        speed.samples += 1
+        # The pool learns the shape in the pool's own units: this pod's answer as if it
+        # ran at the pool's speed.
+        self.pool.observe(ttft_s / speed.scale, tokens, pairs, ahead.running)
 
-    def coefficients(self, address: str) -> Sequence[float]:
+    def coefficients(self, address: str) -> tuple[float, float, float, float]:
         """(s, s per 1k tokens, s per 1M pairs, s per running request) for the pod."""
-        return self.model(address).c
+        k = self.scale(address)
+        c0, c1, c2, c3 = self.pool.c
+        return (k * c0, k * c1, k * c2, k * c3)

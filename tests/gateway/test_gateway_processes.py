@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -101,13 +101,17 @@ async def test_serve_and_envoy_processes_route_and_follow_the_endpoints_file(
             await async_wait_until(lambda: port_open(health_port), 30, "epp health port")
             async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
-                for service in (
-                    "liveness",
-                    "readiness",
-                    "envoy.service.ext_proc.v3.ExternalProcessor",
-                ):
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(service=service))
-                    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+                async def status(service: str) -> int:
+                    request = health_pb2.HealthCheckRequest(service=service)
+                    return (await stub.Check(request)).status
+
+                serving = health_pb2.HealthCheckResponse.SERVING
+                assert await status("liveness") == serving
+                # Ready once the KV index has caught up: these backends have no replay
+                # socket that answers, which takes one replay timeout to find out.
+                await async_wait_until(lambda: _is(status("readiness"), serving), 15, "epp ready")
+                assert await status("envoy.service.ext_proc.v3.ExternalProcessor") == serving
 
             url = f"http://127.0.0.1:{listen_port}/v1/completions"
             body = {"model": "tiny", "prompt": "hello"}
@@ -154,3 +158,7 @@ async def test_serve_and_envoy_processes_route_and_follow_the_endpoints_file(
                 "inference_extension_scheduler_e2e_duration_seconds_bucket",
             ):
                 assert name in text
+
+
+async def _is(value: Awaitable[int], expected: int) -> bool:
+    return await value == expected

@@ -119,3 +119,31 @@ async def test_each_replica_hears_how_its_own_requests_ended() -> None:
         finally:
             for server, _, _ in replicas:
                 await server.stop(0)
+
+
+def test_fail_open_renders_buffered_bodies_unless_told_otherwise() -> None:
+    """Fail-open must serve a request whose picker dies mid-decision: only a buffered
+    body is still in Envoy's hands then (tests/serve/test_serve_replica_failover.py)."""
+
+    def mode(**options: object) -> str:
+        config = yaml.safe_load(render_envoy_config(EnvoyOptions(**options)))  # type: ignore[arg-type]
+        [listener] = config["static_resources"]["listeners"]
+        filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+        [ext_proc] = [f for f in filters if f["name"] == "envoy.filters.http.ext_proc"]
+        return ext_proc["typed_config"]["processing_mode"]["request_body_mode"]
+
+    assert mode(failure_mode="open") == "BUFFERED"
+    assert mode(failure_mode="close") == "FULL_DUPLEX_STREAMED"
+    assert mode(failure_mode="open", body_mode="full-duplex") == "FULL_DUPLEX_STREAMED"
+    assert mode(failure_mode="close", body_mode="buffered") == "BUFFERED"
+
+
+def test_the_pool_stream_is_retried_within_a_second() -> None:
+    """While no replica is healthy (all catching up at start) Envoy's EDS stream is
+    refused; it must come back within a second of one turning healthy, not 30 s."""
+    config = yaml.safe_load(render_envoy_config(EnvoyOptions(epp_replicas=("10.0.0.1:9002",))))
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    source = clusters["inference_pool"]["eds_cluster_config"]["eds_config"]["api_config_source"]
+    [service] = source["grpc_services"]
+    backoff = service["envoy_grpc"]["retry_policy"]["retry_back_off"]
+    assert backoff["max_interval"] == "1s"

@@ -142,7 +142,7 @@ async def test_learned_prefill_rate_steers_away_from_a_slow_pod():
                 req, decision, Outcome(address, True, 200, Usage(1000, 100), ttft, now=clock.now)
             )
     probe = (1000, 500_000, 0)  # 1000 cold tokens
-    slow, fast = (scorer.learner.model(a).predict(*probe) for a in ("slow:1", "fast:1"))
+    slow, fast = (scorer.learner.predict(a, *probe) for a in ("slow:1", "fast:1"))
     assert slow > 10 * fast
     assert scorer.pods["fast:1"].decode_s_per_token == pytest.approx((10.0 - 0.1) / 100)
     decision = await scheduler.schedule(request(tokens=PROMPT[:1000]), pods)

@@ -60,10 +60,10 @@ def test_recovers_linear_and_quadratic_coefficients():
     assert per_ktoken == pytest.approx(TRUE[1] * 1e3, rel=0.1)
     assert per_mpair == pytest.approx(TRUE[2] * 1e6, rel=0.1)
     # And it predicts a long cold prompt (mostly attention) and a short one well.
-    m = model.model("a:1")
     for prompt in (2_000, 100_000):
         expected = true_ttft(prompt, attention_pairs(prompt, 0), 4)
-        assert m.predict(prompt, attention_pairs(prompt, 0), 4) == pytest.approx(expected, rel=0.1)
+        predicted = model.predict("a:1", prompt, attention_pairs(prompt, 0), 4)
+        assert predicted == pytest.approx(expected, rel=0.1)
 
 
 def test_state_stays_bounded_and_non_negative():
@@ -72,15 +72,16 @@ def test_state_stays_bounded_and_non_negative():
     # RLS with forgetting would let the covariance blow up along.
     for _ in range(5_000):
         model.observe("a:1", 0.05, 1000, 0, Snapshot(0.0, 0.0, 0.0))
-    m = model.model("a:1")
+    m = model.pool
     limit = np.maximum(m.cov_limit, np.square(m.coef))
     assert np.all(np.diag(m.cov) <= limit * (1 + 1e-9))
     assert np.all(np.isfinite(m.cov)) and np.all(np.array(m.coef) >= 0)
-    assert m.predict(1000, attention_pairs(1000, 0), 0) == pytest.approx(0.05, rel=0.01)
+    assert model.predict("a:1", 1000, attention_pairs(1000, 0), 0) == pytest.approx(0.05, rel=0.01)
     # Nonsense observations (a negative TTFT would ask for negative costs) are clipped.
     for _ in range(100):
         model.observe("a:1", 1e-6, 50_000, 0, Snapshot(0.0, 0.0, 30.0))
-    assert np.all(np.array(model.model("a:1").coef) >= 0)
+    assert np.all(np.array(model.pool.coef) >= 0)
+    assert 0 < model.scale("a:1") < float("inf")
     # Bounded number of pods: the oldest model goes.
     small = TTFTLearner(model.prior, max_pods=3)
     for i in range(10):
@@ -98,7 +99,7 @@ def test_a_pod_that_slows_down_is_noticed_within_fifteen_requests():
     noticed_after = None
     for n in range(1, 16):
         model.observe("a:1", *synthetic(rng, slow))
-        if model.model("a:1").predict(*probe) >= 0.85 * true_ttft(*probe, slow):
+        if model.predict("a:1", *probe) >= 0.85 * true_ttft(*probe, slow):
             noticed_after = n
             break
     assert noticed_after is not None, "still predicting the old speed after 15 requests"
@@ -110,9 +111,9 @@ def test_one_outlier_does_not_flip_the_fit():
     for _ in range(100):
         model.observe("a:1", *synthetic(rng))
     probe = (8_000, attention_pairs(8_000, 0), 4)
-    before = model.model("a:1").predict(*probe)
+    before = model.predict("a:1", *probe)
     model.observe("a:1", 60.0, 8_000, 0, Snapshot(0.0, 0.0, 4.0))  # a paused request
-    assert model.model("a:1").predict(*probe) == pytest.approx(before, rel=0.25)
+    assert model.predict("a:1", *probe) == pytest.approx(before, rel=0.25)
 
 
 def test_a_new_pod_starts_from_what_its_peers_showed():
@@ -122,7 +123,34 @@ def test_a_new_pod_starts_from_what_its_peers_showed():
         model.observe("a:1", *synthetic(rng))
     # Never answered: the pool-wide model predicts for it, not the configured prior.
     probe = (8_000, attention_pairs(8_000, 0), 4)
-    assert model.model("new:1").predict(*probe) == pytest.approx(true_ttft(*probe), rel=0.15)
+    assert model.predict("new:1", *probe) == pytest.approx(true_ttft(*probe), rel=0.15)
+
+
+def test_a_pod_serving_only_cache_hits_still_prices_a_miss_from_the_pool():
+    # "hits:1" answers only requests whose uncached part is 1,200 tokens behind an empty
+    # queue: on its own it cannot tell a fixed cost from a per-token one. Its peers answer
+    # cold prompts of every length; the shape they show prices a 7,200-token miss on it.
+    rng = random.Random(4)
+    model = learner()
+    for _ in range(300):
+        model.observe("cold:1", *synthetic(rng))
+        model.observe("hits:1", true_ttft(1200, attention_pairs(1200, 6000), 2), 7200, 6000,
+                      Snapshot(0.0, 0.0, 2.0))  # fmt: skip
+    miss = (7200, attention_pairs(7200, 0), 2)
+    assert model.predict("hits:1", *miss) == pytest.approx(true_ttft(*miss), rel=0.15)
+
+
+def test_a_slower_pod_gets_its_own_factor_and_leaves_the_shape_alone():
+    rng = random.Random(5)
+    model = learner()
+    slow = tuple(1.5 * c for c in TRUE)
+    for _ in range(400):
+        model.observe("fast:1", *synthetic(rng))
+        model.observe("slow:1", *synthetic(rng, slow))
+    probe = (8_000, attention_pairs(8_000, 0), 4)
+    assert model.scale("slow:1") / model.scale("fast:1") == pytest.approx(1.5, rel=0.1)
+    assert model.predict("fast:1", *probe) == pytest.approx(true_ttft(*probe), rel=0.15)
+    assert model.predict("slow:1", *probe) == pytest.approx(true_ttft(*probe, slow), rel=0.15)
 
 
 def item(tokens: float, routed_at: float, prefill_s: float = 1.0) -> Inflight:

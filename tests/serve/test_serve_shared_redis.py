@@ -1,10 +1,13 @@
 """Two `epp serve` replicas sharing one block index on a real Redis server: what one
-replica learns from the pods' KV events, the other routes by without subscribing."""
+replica learns from the pods' KV events, the other routes by without subscribing; and
+with both subscribing, killing one leaves the other keeping the shared index fresh."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
+import aiohttp
 import pytest
 from serve_stack import (
     MODEL,
@@ -19,6 +22,8 @@ from serve_stack import (
 )
 from support.net import async_wait_until
 from support.redis_server import RedisServer, redis_server_fixture
+
+from smart_epp.kv_index.redis_backend import RedisBlockIndex
 
 pytestmark = [pytest.mark.envoy, pytest.mark.redis]
 redis_server = redis_server_fixture
@@ -66,3 +71,46 @@ async def test_a_prefix_learned_by_one_replica_routes_the_other(
                 assert sample(page, "smart_epp_kv_redis_up") == 1
         for log_path in ("epp1.log", "epp2.log"):
             assert "Traceback" not in (tmp_path / log_path).read_text()
+
+
+async def test_every_replica_keeps_the_shared_index_fresh_when_another_is_killed(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """No single subscriber: both replicas subscribe to every pod, so after one is
+    SIGKILLed the other still writes what the pods cache into the shared index."""
+    store = RedisBlockIndex.from_url(redis_server.url)
+    async with sim_pods() as pool:
+        pool_file = tmp_path / "pool.yaml"
+        write_endpoints(pool_file, [endpoint_entry(p) for p in pool.pods])
+        shared = ["--endpoints-file", str(pool_file), "--kv-index", "redis",
+                  "--redis-url", redis_server.url]  # fmt: skip
+        try:
+            with (
+                epp_process(tmp_path / "epp1.log", *shared) as doomed,
+                epp_process(tmp_path / "epp2.log", *shared) as survivor,
+            ):
+                await wait_started(doomed)
+                async with gateway(survivor, pool) as gw:
+                    await gw.warm(1, text(21, 400))
+                    async with aiohttp.ClientSession() as http:
+                        page = await doomed.metrics(http)
+                    address = pool.pods[1].http_address
+                    # Both replicas heard the pod.
+                    name = "smart_epp_kv_block_hashes_total"
+                    assert sample(page, name, pod=address, action="stored") > 0
+                    doomed.process.send_signal(signal.SIGKILL)
+                    doomed.process.wait(timeout=10)
+                    before = await store.entries()
+                    prefix = text(22, 600)
+                    await gw.warm(3, prefix)
+
+                    async def stored() -> bool:
+                        return await store.entries() >= before + 600 // 16
+
+                    await async_wait_until(stored, 10, "the survivor's writes in the store")
+                    pod, _ = await gw.via_gateway(
+                        {"model": MODEL, "prompt": f"{prefix} q", "max_tokens": 2}
+                    )
+                    assert pod == 3
+        finally:
+            await store.close()

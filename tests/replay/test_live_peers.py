@@ -1,0 +1,58 @@
+"""The live peer-router benchmark's harness, run with smart-epp alone (no peer binaries)."""
+
+from __future__ import annotations
+
+import pytest
+
+from smart_epp.benchmarks import live_peers
+from smart_epp.benchmarks.live_peers import BenchConfig, aggregate, compare, render, run_bench
+
+
+@pytest.mark.envoy
+def test_harness_runs_smart_epp_and_reports_missing_peers(monkeypatch: pytest.MonkeyPatch):
+    # As on a machine without the `peers` extra: the peers are reported, not run.
+    monkeypatch.setattr(live_peers, "_binary", lambda name: None)
+    cfg = BenchConfig(pods=2, requests=16, groups=2, system_len=600, question_len=100, output_len=8)
+    doc = run_bench(
+        cfg, ["smart-epp", "vllm-router cache_aware"], loads=[0.4], repeats=1, log=lambda _: None
+    )
+    block = doc["by_load"]["0.4"]
+    (run,) = block["runs"]["smart-epp"]
+    assert run["ok"] and run["completed"] == 16 and run["failed"] == 0, run
+    assert 0 < run["ttft_p50_s"] <= run["ttft_p90_s"] <= run["ttft_p99_s"]
+    # What the pods measured from arrival to first token is part of what the client saw.
+    assert 0 < run["pod_ttft_mean_s"] < run["ttft_mean_s"]
+    assert run["router_cpu_ms_per_request"] > 0  # epp and Envoy did work for each request
+    # Fresh pods: their own counters saw exactly this run's 16 requests, and the second
+    # and later prompts of each group found the group's 600-token system prompt cached.
+    assert sum(run["requests_per_pod"]) == 16
+    assert 0.5 < run["pod_prefix_hit_rate"] < 1.0
+    assert block["routers"]["smart-epp"]["clean_runs"] == 1
+    assert "not installed" in block["unavailable"]["vllm-router cache_aware"]
+    assert "pip install" in render(doc)
+    # 0.4 of 2 pods' raw prefill capacity (25k tokens/s each, slowed 4x) over 700 tokens.
+    assert block["offered_qps"] == pytest.approx(0.4 * 12_500 / 700)
+
+
+def _run(p90: float, ok: bool = True) -> dict:
+    return {
+        "ok": ok, "failed": 0, "failure_statuses": [], "ttft_p50_s": p90 / 2,
+        "ttft_p90_s": p90, "ttft_p99_s": p90 * 2, "pod_prefix_hit_rate": 0.5,
+        "client_cached_token_rate": 0.5, "load_imbalance": 1.0,
+    }  # fmt: skip
+
+
+def test_aggregate_takes_median_and_spread_of_clean_runs_only():
+    failed = {**_run(9.0), "failed": 2, "failure_statuses": ["503"]}
+    row = aggregate([_run(0.3), _run(0.1), _run(0.2), failed])
+    assert row["ttft_p90_s"] == {"median": 0.2, "min": 0.1, "max": 0.3}
+    assert row["clean_runs"] == 3 and row["runs"] == 4
+    assert row["not_clean"] == ["2 failed: ['503']"]
+
+
+def test_compare_pairs_repeats_and_divides_medians():
+    runs = {"smart-epp": [_run(0.1), _run(0.4)], "peer": [_run(0.2), _run(0.2)]}
+    table = {name: aggregate(rs) for name, rs in runs.items()}
+    (c,) = compare(table, runs).values()
+    assert c["smart_epp_p90_over_peer_p90"] == pytest.approx(0.25 / 0.2)
+    assert c["repeats_smart_epp_p90_lower_or_equal"] == 1 and c["paired_repeats"] == 2
