@@ -4,12 +4,16 @@ Single-threaded by design (one event loop per process), so no locking. Discovery
 `set_endpoints`; the KV-event subscribers and the metrics scraper follow membership
 through listeners; the request flow books requests in flight with `book`/`release`
 (it remembers what it booked, so the datastore keeps no per-request table).
+
+With shared pool state, other pickers' in-flight totals are folded into each pod's
+`inflight` (`set_peer_loads`, its `peer_*` fields say how much of it is theirs), and
+`on_change` tells the shared state when this picker's own load changed.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from ..framework.types import Endpoint, PodState
 
@@ -22,6 +26,8 @@ class Datastore:
     def __init__(self) -> None:
         self._pods: dict[str, PodState] = {}
         self._listeners: list[tuple[EndpointListener, EndpointListener]] = []
+        # Called after this picker's own in-flight load changed (book, prefilled, release).
+        self.on_change: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------ membership
 
@@ -113,6 +119,8 @@ class Datastore:
             inflight.prefilling_tokens += prompt_tokens
         if adapter:
             inflight.adapters[adapter] += 1
+        if self.on_change is not None:
+            self.on_change(address)
         return True
 
     def prefilled(self, address: str, prompt_tokens: int) -> None:
@@ -123,6 +131,8 @@ class Datastore:
         inflight = pod.inflight
         inflight.prefilling = max(0, inflight.prefilling - 1)
         inflight.prefilling_tokens = max(0, inflight.prefilling_tokens - prompt_tokens)
+        if self.on_change is not None:
+            self.on_change(address)
 
     def release(
         self, address: str, prompt_tokens: int, adapter: str | None, prefilling: bool = False
@@ -144,3 +154,38 @@ class Datastore:
                 inflight.adapters[adapter] = remaining
             else:
                 del inflight.adapters[adapter]
+        if self.on_change is not None:
+            self.on_change(address)
+
+    # ------------------------------------------------------------ shared with peers
+
+    def own_load(self, address: str) -> tuple[int, int, int, int]:
+        """This picker's own (requests, prompt tokens, prefilling, prefilling tokens) on
+        `address`: the pod's counts minus what its peers reported."""
+        pod = self._pods.get(address)
+        if pod is None:
+            return (0, 0, 0, 0)
+        i = pod.inflight
+        return (
+            max(0, i.requests - i.peer_requests),
+            max(0, i.prompt_tokens - i.peer_prompt_tokens),
+            max(0, i.prefilling - i.peer_prefilling),
+            max(0, i.prefilling_tokens - i.peer_prefilling_tokens),
+        )
+
+    def set_peer_loads(self, loads: Mapping[str, tuple[int, int, int, int]]) -> None:
+        """Replaces what other pickers have in flight per pod (absent: nothing)."""
+        for address, pod in self._pods.items():
+            i = pod.inflight
+            requests, prompt_tokens, prefilling, prefilling_tokens = loads.get(
+                address, (0, 0, 0, 0)
+            )
+            own = self.own_load(address)
+            i.requests = own[0] + requests
+            i.prompt_tokens = own[1] + prompt_tokens
+            i.prefilling = own[2] + prefilling
+            i.prefilling_tokens = own[3] + prefilling_tokens
+            i.peer_requests = requests
+            i.peer_prompt_tokens = prompt_tokens
+            i.peer_prefilling = prefilling
+            i.peer_prefilling_tokens = prefilling_tokens

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Protocol
 
 from ..framework.lifecycle import CandidateFilter, FlowRequest, OutcomeObserver, RoutedObserver
@@ -78,6 +78,9 @@ class RequestFlow:
             self.add_hook(admission)
         # Insertion-ordered: the first entry is the oldest open request.
         self._open: dict[int, FlowRequest] = {}
+        # Awaited before each decision: brings in what other pickers of the pool decided
+        # (shared pool state); None for a picker alone.
+        self.refresh: Callable[[], Awaitable[None]] | None = None
 
     def add_hook(self, hook: object) -> None:
         """Registers a hook under every lifecycle interface it implements."""
@@ -170,6 +173,8 @@ class RequestFlow:
             admission.settled(flow)
 
     async def _schedule(self, flow: FlowRequest, subset: Sequence[str] | None) -> list[PodState]:
+        if self.refresh is not None:
+            await self.refresh()
         request = flow.request
         candidates = self.candidates(request, subset)
         if not candidates:

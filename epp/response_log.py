@@ -14,7 +14,7 @@ pod's in-flight count forever: `expire` ends requests older than a bound as lost
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import Counter
 
@@ -51,6 +51,9 @@ class ResponseLog:
         # matched in routing order.
         self._waiting: dict[str, list[FlowRequest]] = {}
         self.unmatched = 0  # records of requests this picker did not route
+        # Workers sharing one port: Envoy's log stream reaches one of them, so records
+        # of requests another worker routed are handed on (shared_state.records).
+        self.on_unmatched: Callable[[list[ResponseRecord]], None] | None = None
         self.expired = 0  # requests ended as lost because no record came
 
     def __len__(self) -> int:
@@ -73,19 +76,26 @@ class ResponseLog:
             del self._waiting[request_id]
         return tracked
 
-    def on_records(self, records: Iterable[ResponseRecord]) -> None:
+    def on_records(self, records: Iterable[ResponseRecord], *, handed_on: bool = False) -> None:
+        """Ends the requests these records tell of; `handed_on`: the records came from
+        another worker, which matched none of them (so they are not handed on again)."""
+        unmatched: list[ResponseRecord] = []
         for record in records:
             tracked = self._take(record.request_id)
             if tracked is None:
                 # Routed by an earlier run of the picker (a restart), or by another one.
-                self.unmatched += 1
-                _UNMATCHED.inc()
+                if not handed_on:
+                    self.unmatched += 1
+                    _UNMATCHED.inc()
+                    unmatched.append(record)
                 continue
             _MATCHED.inc()
             try:
                 self._end(tracked, record)
             except Exception:  # bookkeeping must never break the log stream
                 log.exception("request %s: response record failed", record.request_id)
+        if unmatched and self.on_unmatched is not None:
+            self.on_unmatched(unmatched)
 
     def _end(self, tracked: FlowRequest, record: ResponseRecord) -> None:
         flow = self.flow

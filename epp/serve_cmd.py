@@ -29,7 +29,7 @@ from ..kv_index.catch_up import DEFAULT_CATCH_UP_TIMEOUT_S, CatchUp
 from ..kv_index.curve import CurveServerConfig
 from ..kv_index.ingest import IngestState
 from ..kv_index.manager import KVEventManager
-from ..kv_index.memory import DEFAULT_CAPACITY, MemoryBlockIndex
+from ..kv_index.memory import DEFAULT_CAPACITY, DEFAULT_SPECULATIVE_TTL_S, MemoryBlockIndex
 from ..kv_index.redis_backend import RedisBlockIndex
 from .config import BUILTIN_CONFIGS, ConfigError, load_config
 from .datastore import Datastore
@@ -62,6 +62,10 @@ from .request_limits import DEFAULT_ALLOWED_PATHS, RequestLimits
 from .scheduler import build_scheduler
 from .scrape import MetricsScraper
 from .server import DEFAULT_MAX_BODY_BYTES, EppServer, ServerOptions
+from .shared_state.records import RecordRelay
+from .shared_state.sync import DEFAULT_INTERVAL_S as DEFAULT_SHARED_SYNC_S
+from .shared_state.sync import DEFAULT_MAX_STALENESS_S as DEFAULT_SHARED_MAX_STALENESS_S
+from .shared_state.wiring import SharedStateKind, connect_shared_state
 from .tls import TlsOptions, server_credentials
 from .tokenization import TokenizerRouter
 from .traffic_recorder import TrafficRecorder
@@ -123,6 +127,16 @@ class ServeOptions:
     fallbacks: int = DEFAULT_FALLBACKS
     # OTLP/gRPC collector for request traces; None = OTEL_EXPORTER_OTLP_ENDPOINT, if set.
     otlp_endpoint: str | None = None
+    # In-flight load and routed prefixes shared with the other pickers of the pool
+    # (local: this picker alone); the Redis server is `shared_state_url`, else redis_url.
+    shared_state: SharedStateKind = "local"
+    shared_state_url: str | None = None
+    shared_state_sync_s: float = DEFAULT_SHARED_SYNC_S
+    shared_state_max_staleness_s: float = DEFAULT_SHARED_MAX_STALENESS_S
+    # A worker of `--workers N` (set by the supervisor, epp/workers.py): binds the
+    # ext_proc port with SO_REUSEPORT and hands access-log records it did not route on.
+    reuse_port: bool = False
+    hand_on_records: bool = False
 
 
 def _start_tracing(
@@ -237,9 +251,20 @@ async def serve(
         label = pod.endpoint.label("model") if pod is not None else None
         return ingest.model(address) or label or options.model or catalog.base_model_of_pod(address)
 
+    shared, scheduler_index = connect_shared_state(
+        options.shared_state,
+        url=options.shared_state_url or options.redis_url,
+        pool_name=options.pool_name,
+        datastore=datastore,
+        index=index,
+        registry=metrics.registry,
+        interval_s=options.shared_state_sync_s,
+        speculative_ttl_s=DEFAULT_SPECULATIVE_TTL_S,
+        max_staleness_s=options.shared_state_max_staleness_s,
+    )
     scheduler = build_scheduler(
         loaded,
-        index=index,
+        index=scheduler_index,
         ingest_state=ingest,
         model_of=scope_model,
         base_model=options.model,
@@ -305,6 +330,8 @@ async def serve(
         hooks=[ServedModelFilter(catalog), PrefixAudit(metrics.registry)],
         admission=admission,
     )
+    if shared is not None and options.shared_state_max_staleness_s != float("inf"):
+        flow.refresh = shared.refresh  # read the store before each decision
     scraper = MetricsScraper(
         datastore,
         interval_s=options.scrape_interval_s,
@@ -324,9 +351,20 @@ async def serve(
             max_body_bytes=options.max_body_bytes,
             pool_name=options.pool_name,
             request_limits=RequestLimits.with_paths(options.allowed_paths),
+            reuse_port=options.reuse_port,
         ),
         metrics=metrics,
     )
+    relay: RecordRelay | None = None
+    if options.hand_on_records and shared is not None:
+        response_log = server.response_log
+        relay = RecordRelay(
+            options.shared_state_url or options.redis_url,
+            options.pool_name,
+            shared.picker_id,
+            lambda records: response_log.on_records(records, handed_on=True),
+        )
+        response_log.on_unmatched = relay.hand_on
     tracing = _start_tracing(options, flow, server, scheduler)
     metrics.registry.register(_ForeignMetrics(REGISTRY, metrics.registry))
 
@@ -384,6 +422,12 @@ async def serve(
                 log.info("KV events: pods publish to %s", events.central_endpoint)
         await scraper.start()
         started.append(scraper.stop)
+        if shared is not None:
+            shared.start()
+            started.append(shared.close)
+        if relay is not None:
+            relay.start()
+            started.append(relay.close)
         await server.start(
             options.grpc_port,
             options.health_port,
@@ -405,7 +449,7 @@ async def serve(
             )
         log.info(
             "epp serving ext_proc (%s) on %s:%d (health :%d, metrics :%d) with %d endpoints; "
-            "KV events %s, %s index",
+            "KV events %s, %s index, %s shared state",
             "plaintext" if credentials is None else "TLS",
             options.host,
             server.grpc_port,
@@ -414,6 +458,7 @@ async def serve(
             len(datastore),
             options.kv_events_mode,
             options.kv_index,
+            options.shared_state,
         )
         if on_started is not None:
             on_started(server)
@@ -699,7 +744,54 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     kv.add_argument(
         "--redis-url",
         default="redis://127.0.0.1:6379/0",
-        help="Redis server of --kv-index redis (default %(default)s)",
+        help="Redis server of --kv-index redis and --shared-state redis (default %(default)s)",
+    )
+    shared = parser.add_argument_group("shared pool state (several pickers, one pool)")
+    shared.add_argument(
+        "--shared-state",
+        choices=("local", "redis"),
+        default="local",
+        help="local (default): this picker's own in-flight counts and routed prefixes; "
+        "redis: shared through the Redis server of --redis-url with every picker of the "
+        "pool (replicas, workers), so each sees the others' load and routed prefixes; "
+        "routing goes on with local state while the server is unreachable",
+    )
+    shared.add_argument(
+        "--shared-state-url",
+        default=None,
+        metavar="URL",
+        help="Redis server of --shared-state redis when it is not --redis-url's",
+    )
+    shared.add_argument(
+        "--workers",
+        type=_positive(int),
+        default=1,
+        metavar="N",
+        help="run N picker processes on the one ext_proc port (SO_REUSEPORT), each with "
+        "its own KV-event subscriptions and scrape, sharing in-flight load and routed "
+        "prefixes through --shared-state redis or, without it, a private Valkey this "
+        "process starts; health and metrics stay one port each (default 1)",
+    )
+    for hidden in ("--reuse-port", "--hand-on-records"):  # set by the supervisor
+        shared.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
+    shared.add_argument(
+        "--shared-state-max-staleness",
+        type=_positive(float),
+        default=None,
+        metavar="SECONDS",
+        help="make each decision read the store first (one round trip, shared by the "
+        "decisions waiting at that moment, waiting at most 1 ms) unless an exchange "
+        "started this recently; default off: decisions use what the background sync "
+        "brought in, at most --shared-state-sync-interval old",
+    )
+    shared.add_argument(
+        "--shared-state-sync-interval",
+        type=_positive(float),
+        default=DEFAULT_SHARED_SYNC_S,
+        metavar="SECONDS",
+        help="exchange with the store at least this often (besides after each decision): "
+        "the heartbeat, and how stale peers' state may get between this picker's own "
+        "decisions (default %(default)s)",
     )
     signals = parser.add_argument_group("pod signals")
     signals.add_argument(
@@ -830,7 +922,34 @@ def run(args: argparse.Namespace) -> int:
         record_prompts=args.record_prompts,
         objectives_file=args.objectives_file,
         otlp_endpoint=args.otlp_endpoint,
+        shared_state=args.shared_state,
+        shared_state_url=args.shared_state_url,
+        shared_state_sync_s=args.shared_state_sync_interval,
+        shared_state_max_staleness_s=args.shared_state_max_staleness
+        if args.shared_state_max_staleness is not None
+        else DEFAULT_SHARED_MAX_STALENESS_S,
+        reuse_port=args.reuse_port,
+        hand_on_records=args.hand_on_records,
     )
+    if args.workers > 1:
+        from .workers import run_workers
+
+        if args.kv_events_mode == "central":
+            log.error(
+                "--workers needs --kv-events-mode dial or off: one central socket "
+                "cannot be bound by several processes"
+            )
+            return 2
+        return run_workers(
+            args.workers,
+            host=args.host,
+            health_port=args.health_port,
+            metrics_port=args.metrics_port,
+            drain_timeout_s=args.drain_timeout,
+            store_url=(args.shared_state_url or args.redis_url)
+            if args.shared_state == "redis"
+            else None,
+        )
     run_event_loop(serve(options))
     return 0
 

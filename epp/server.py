@@ -58,6 +58,9 @@ class ServerOptions:
     pool_name: str = "default"
     # Which paths reach the pods, and how large a JSON body may be (see request_limits).
     request_limits: RequestLimits = field(default_factory=RequestLimits)
+    # Several worker processes share the ext_proc port (SO_REUSEPORT; the kernel
+    # spreads Envoy's connections over them).
+    reuse_port: bool = False
 
 
 class Phase(Enum):
@@ -451,7 +454,7 @@ class EppServer:
         kubelet's gRPC probe speaks it. With `ready=False` only liveness answers SERVING
         until `set_serving(True)` (a replica still catching up)."""
         options = [
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 1 if self.options.reuse_port else 0),
             # Envoy keeps one HTTP/2 connection with many streams; allow plenty of them.
             ("grpc.max_concurrent_streams", 10_000),
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),

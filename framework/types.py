@@ -77,7 +77,8 @@ class PodMetrics:
 
 @dataclass(slots=True)
 class Inflight:
-    """What this gateway has itself sent to a pod and not yet seen finish."""
+    """What this gateway (and, with shared pool state, its peers) sent to a pod and has
+    not yet seen finish."""
 
     requests: int = 0
     prompt_tokens: int = 0
@@ -86,6 +87,12 @@ class Inflight:
     # work this gateway has queued at the pod (estimated prompt tokens).
     prefilling: int = 0
     prefilling_tokens: int = 0
+    # Of the counts above, the part other pickers sharing this pool reported (through
+    # the shared pool state; 0 for a picker alone): the rest is this gateway's own.
+    peer_requests: int = 0
+    peer_prompt_tokens: int = 0
+    peer_prefilling: int = 0
+    peer_prefilling_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -302,7 +302,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
         own_list: list[tuple[float, float, float]] = []
         ahead_list: list[tuple[float, float, float]] = []
         speeds = learner.pods
-        pool_c = learner.pool.c
+        pool_c0, pool_c1, pool_c2, pool_c3 = learner.pool.c
         typical = learner.typical_scale()
         learnable_list: list[bool] = []
         for pod in pods:
@@ -312,7 +312,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
             model = models.get(address)
             speed = speeds.get(address)
             k = speed.scale if speed is not None else typical
-            c0, c1, c2, c3 = k * pool_c[0], k * pool_c[1], k * pool_c[2], k * pool_c[3]
+            c0, c1, c2, c3 = k * pool_c0, k * pool_c1, k * pool_c2, k * pool_c3
             hit_tokens = 0.0
             cpu_s = 0.0
             held = hits.get(address)
@@ -347,6 +347,18 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
                 tokens_ahead = pairs_ahead = 0.0
                 queued = 0
                 others = waiting
+            peer_prefilling = pod.inflight.peer_prefilling
+            if others > 0 and peer_prefilling > 0:
+                # Of the scraped waiting requests this gateway did not send, other pickers'
+                # (shared pool state) are of known size. Only as many as the pod reports
+                # waiting: a peer hears of a first token late (with its access log), so
+                # its prefilling count alone would hold requests long answered.
+                peer_waiting = min(others, peer_prefilling)
+                peer_mean = pod.inflight.peer_prefilling_tokens / peer_prefilling
+                tokens_ahead += peer_waiting * peer_mean
+                pairs_ahead += peer_waiting * 0.5 * peer_mean * peer_mean
+                queued += peer_waiting
+                others -= peer_waiting
             if others > 0:
                 # Waiting requests this gateway did not send: at the mean request's size.
                 tokens_ahead += others * mean_tokens

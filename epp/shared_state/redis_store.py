@@ -1,0 +1,191 @@
+"""The pool-state store on a Redis-protocol server (Redis, Valkey).
+
+Layout, all under one hash tag so a cluster keeps it in one slot:
+
+    {prefix}:pickers        sorted set: picker id -> expiry (server ms)
+    {prefix}:load:<picker>  hash: pod -> "requests prompt_tokens prefilling prefilling_tokens"
+    {prefix}:routed         stream: picker, pod, ttl_ms, packed block keys (MAXLEN ~ N,
+                            and trimmed to the longest ttl by id, ids being server ms)
+    {prefix}:epoch          a random token set once: a new one means the store was
+                            emptied (restarted) and every picker writes its table again
+
+One Lua script does a whole exchange, so it is atomic and costs one round trip: it
+writes this picker's changed loads, refreshes its expiry, drops pickers past theirs,
+appends its routed entries, and returns the other pickers' loads and the routed entries
+appended since this picker's cursor. Expiry runs on the server's clock (TIME), so
+pickers on different hosts need no synchronised clocks.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from .store import (
+    DEFAULT_MAX_READ,
+    DEFAULT_MAX_ROUTED_ENTRIES,
+    DEFAULT_PICKER_TTL_S,
+    PeerView,
+    PickerUpdate,
+    PodLoad,
+    RoutedEntry,
+)
+
+_EXCHANGE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local pickers, own, routed, epoch_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local me, load_prefix, cursor = ARGV[1], ARGV[2], ARGV[3]
+local ttl, max_read, max_entries = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local max_routed_ttl = tonumber(ARGV[7])
+local replace, nloads = ARGV[8], tonumber(ARGV[9])
+local epoch = redis.call('GET', epoch_key)
+if not epoch then
+  epoch = ARGV[10]
+  redis.call('SET', epoch_key, epoch)
+end
+local i = 11
+if replace == '1' then redis.call('DEL', own) end
+for _ = 1, nloads do
+  if ARGV[i + 1] == '' then
+    redis.call('HDEL', own, ARGV[i])
+  else
+    redis.call('HSET', own, ARGV[i], ARGV[i + 1])
+  end
+  i = i + 2
+end
+redis.call('PEXPIRE', own, ttl)
+redis.call('ZADD', pickers, now + ttl, me)
+redis.call('ZREMRANGEBYSCORE', pickers, '-inf', now)
+redis.call('PEXPIRE', pickers, ttl)
+local added = false
+while i <= #ARGV do
+  redis.call('XADD', routed, 'MAXLEN', '~', max_entries, '*',
+             'p', me, 'pod', ARGV[i], 'ttl', ARGV[i + 1], 'k', ARGV[i + 2])
+  i = i + 3
+  added = true
+end
+if added then
+  redis.call('XTRIM', routed, 'MINID', '~', now - max_routed_ttl)
+  redis.call('PEXPIRE', routed, max_routed_ttl + ttl)
+end
+redis.call('PEXPIRE', epoch_key, math.max(ttl, max_routed_ttl) + 60000)
+local loads = {}
+for _, id in ipairs(redis.call('ZRANGE', pickers, 0, -1)) do
+  if id ~= me then
+    loads[#loads + 1] = redis.call('HGETALL', load_prefix .. id)
+  end
+end
+local entries
+if cursor == '' then
+  entries = redis.call('XRANGE', routed, now - max_routed_ttl, '+', 'COUNT', max_read)
+else
+  entries = redis.call('XRANGE', routed, '(' .. cursor, '+', 'COUNT', max_read)
+end
+-- Flat (pod, ms left, packed keys) triples of the others' live entries: the reply stays
+-- small and cheap to parse, whatever the stream holds.
+local out = {}
+local last = cursor
+for _, entry in ipairs(entries) do
+  local id, f = entry[1], entry[2]
+  last = id
+  if f[2] ~= me then
+    local born = tonumber(string.match(id, '^(%d+)'))
+    local left = tonumber(f[6]) - (now - born)
+    if left > 0 then
+      out[#out + 1] = f[4]
+      out[#out + 1] = left
+      out[#out + 1] = f[8]
+    end
+  end
+end
+return {epoch, last, loads, out}
+"""
+
+
+class RedisPoolStore:
+    """`PoolStateStore` on a Redis-protocol server; see the module notes for the layout."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        prefix: str = "smart-epp:{default}",
+        picker_ttl_s: float = DEFAULT_PICKER_TTL_S,
+        max_entries: int = DEFAULT_MAX_ROUTED_ENTRIES,
+        max_read: int = DEFAULT_MAX_READ,
+        max_routed_ttl_s: float = 10.0,
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.picker_ttl_ms = max(1, int(picker_ttl_s * 1000))
+        self.max_entries = max_entries
+        self.max_read = max_read
+        self.max_routed_ttl_ms = max(1, int(max_routed_ttl_s * 1000))
+        self._script = client.register_script(_EXCHANGE)
+        self._keys_prefix = f"{prefix}:load:"
+        self._cursor = ""
+        self._epoch: str | None = None
+
+    @classmethod
+    def from_url(cls, url: str, *, pool_name: str = "default", **kwargs: Any) -> RedisPoolStore:
+        # Short timeouts: a store that does not answer must not hold the picker's sync
+        # loop, which then falls back to local state and retries.
+        client = aioredis.Redis.from_url(
+            url, socket_timeout=0.5, socket_connect_timeout=0.5, decode_responses=False
+        )
+        return cls(client, prefix=f"smart-epp:{{{pool_name}}}", **kwargs)
+
+    async def exchange(self, update: PickerUpdate) -> PeerView:
+        args: list[Any] = [
+            update.picker,
+            self._keys_prefix,
+            self._cursor,
+            self.picker_ttl_ms,
+            self.max_read,
+            self.max_entries,
+            self.max_routed_ttl_ms,
+            "1" if update.replace else "0",
+            len(update.loads),
+            secrets.token_hex(8),
+        ]
+        for pod, load in update.loads.items():
+            args += [pod, "" if load.empty else load.encode()]
+        for entry in update.routed:
+            args += [entry.pod, int(entry.ttl_s * 1000), entry.packed_keys()]
+        keys = [
+            f"{self.prefix}:pickers",
+            f"{self._keys_prefix}{update.picker}",
+            f"{self.prefix}:routed",
+            f"{self.prefix}:epoch",
+        ]
+        epoch_raw, cursor_raw, loads_raw, routed_raw = await self._script(keys=keys, args=args)
+        epoch = epoch_raw.decode()
+        view = PeerView(peers=len(loads_raw))
+        if self._epoch is not None and epoch != self._epoch:
+            # Emptied since we last looked: our cursor means nothing there any more.
+            view.store_reset = True
+            self._cursor = ""
+        else:
+            self._cursor = cursor_raw.decode()
+        self._epoch = epoch
+        for flat in loads_raw:
+            for pod_raw, value in zip(flat[::2], flat[1::2], strict=True):
+                pod = pod_raw.decode()
+                view.loads[pod] = view.loads.get(pod, PodLoad()) + PodLoad.decode(value)
+        unpack = RoutedEntry.unpack_keys
+        view.routed = [
+            RoutedEntry(pod.decode(), unpack(packed), left_ms / 1000)
+            for pod, left_ms, packed in zip(
+                routed_raw[::3], routed_raw[1::3], routed_raw[2::3], strict=True
+            )
+        ]
+        return view
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+__all__ = ["RedisPoolStore"]

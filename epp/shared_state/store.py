@@ -1,0 +1,186 @@
+"""What pickers share, and the store interface behind which it is kept.
+
+Several pickers (worker processes of one `epp serve`, or replicas behind one Envoy)
+decide for the same pool. Each keeps the whole KV index in its own memory (every picker
+subscribes to every pod), so what they must share is only what one picker decided and
+the others cannot learn from the pods before their next decision:
+
+- its requests in flight per pod (and their prompt tokens), as absolute totals per
+  picker, so a picker that dies leaves nothing behind once its entry expires;
+- its routed prefixes: the block keys of a prompt it sent to a pod, held there
+  speculatively until the pod's KV events confirm them, with an expiry.
+
+One exchange per sync writes what this picker changed and reads what the others hold,
+in one round trip (`PoolStateStore.exchange`).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+# The per-picker entry (its loads and its membership) outlives its last exchange by this
+# much: a picker that stops syncing is forgotten after it.
+DEFAULT_PICKER_TTL_S = 3.0
+# Routed-prefix entries kept in the store (the oldest dropped beyond), and read per sync.
+DEFAULT_MAX_ROUTED_ENTRIES = 20_000
+DEFAULT_MAX_READ = 2_000
+
+
+@dataclass(frozen=True, slots=True)
+class PodLoad:
+    """One picker's requests in flight on one pod (or the sum over pickers)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    prefilling: int = 0  # of those, sent and not yet answered with a first byte
+    prefilling_tokens: int = 0
+
+    def encode(self) -> str:
+        return f"{self.requests} {self.prompt_tokens} {self.prefilling} {self.prefilling_tokens}"
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> PodLoad:
+        if isinstance(text, bytes):
+            text = text.decode()
+        requests, prompt_tokens, prefilling, prefilling_tokens = (int(v) for v in text.split())
+        return cls(requests, prompt_tokens, prefilling, prefilling_tokens)
+
+    def __add__(self, other: PodLoad) -> PodLoad:
+        return PodLoad(
+            self.requests + other.requests,
+            self.prompt_tokens + other.prompt_tokens,
+            self.prefilling + other.prefilling,
+            self.prefilling_tokens + other.prefilling_tokens,
+        )
+
+    @property
+    def empty(self) -> bool:
+        return not (self.requests or self.prompt_tokens or self.prefilling)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedEntry:
+    """A prompt's block keys sent to `pod`, counted as held there for `ttl_s` more."""
+
+    pod: str
+    keys: tuple[int, ...]
+    ttl_s: float
+
+    def packed_keys(self) -> bytes:
+        return struct.pack(f"<{len(self.keys)}Q", *self.keys)
+
+    @staticmethod
+    def unpack_keys(data: bytes) -> tuple[int, ...]:
+        return struct.unpack(f"<{len(data) // 8}Q", data)
+
+
+@dataclass(slots=True)
+class PickerUpdate:
+    """What one picker writes in one exchange."""
+
+    picker: str
+    # Pods whose load changed since the last exchange; an empty load removes the pod.
+    loads: Mapping[str, PodLoad]
+    routed: Sequence[RoutedEntry] = ()
+    # The store may have lost this picker's entry (first exchange, or after an outage):
+    # `loads` is then the whole table and replaces what the store holds.
+    replace: bool = False
+
+
+@dataclass(slots=True)
+class PeerView:
+    """What the other live pickers hold, as of one exchange."""
+
+    loads: dict[str, PodLoad] = field(default_factory=dict)  # per pod, summed over peers
+    routed: list[RoutedEntry] = field(default_factory=list)  # new since the last exchange
+    peers: int = 0
+    # The store was emptied or replaced since the last exchange: whatever this picker
+    # wrote before must be written again.
+    store_reset: bool = False
+
+
+class PoolStateStore(Protocol):
+    """Where pickers meet. Atomic per exchange, bounded, and expiring."""
+
+    async def exchange(self, update: PickerUpdate) -> PeerView: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalPoolStore:
+    """The store in this process: for pickers that share one event loop (tests, the
+    replay), and the reference the Redis store behaves like."""
+
+    def __init__(
+        self,
+        *,
+        picker_ttl_s: float = DEFAULT_PICKER_TTL_S,
+        max_entries: int = DEFAULT_MAX_ROUTED_ENTRIES,
+        max_read: int = DEFAULT_MAX_READ,
+    ) -> None:
+        self.picker_ttl_s = picker_ttl_s
+        self.max_read = max_read
+        self._loads: dict[str, dict[str, PodLoad]] = {}
+        self._expires: dict[str, float] = {}
+        # (sequence, picker, entry, expires at)
+        self._routed: deque[tuple[int, str, RoutedEntry, float]] = deque(maxlen=max_entries)
+        self._seq = 0
+        self._cursors: dict[str, int] = {}
+
+    async def exchange(self, update: PickerUpdate) -> PeerView:
+        now = time.monotonic()
+        me = update.picker
+        loads = self._loads.setdefault(me, {})
+        if update.replace:
+            loads.clear()
+        for pod, load in update.loads.items():
+            if load.empty:
+                loads.pop(pod, None)
+            else:
+                loads[pod] = load
+        self._expires[me] = now + self.picker_ttl_s
+        for picker in [p for p, until in self._expires.items() if until <= now]:
+            del self._expires[picker]
+            self._loads.pop(picker, None)
+            self._cursors.pop(picker, None)
+        for entry in update.routed:
+            self._seq += 1
+            self._routed.append((self._seq, me, entry, now + entry.ttl_s))
+        view = PeerView(peers=len(self._expires) - 1)
+        for picker, held in self._loads.items():
+            if picker == me:
+                continue
+            for pod, load in held.items():
+                view.loads[pod] = view.loads.get(pod, PodLoad()) + load
+        cursor = self._cursors.get(me, 0)
+        for seq, picker, entry, until in self._routed:
+            if seq <= cursor:
+                continue
+            if len(view.routed) >= self.max_read:
+                break
+            cursor = seq
+            if picker != me and until > now:
+                view.routed.append(RoutedEntry(entry.pod, entry.keys, until - now))
+        self._cursors[me] = cursor
+        return view
+
+    async def close(self) -> None:
+        return None
+
+
+__all__ = [
+    "DEFAULT_MAX_READ",
+    "DEFAULT_MAX_ROUTED_ENTRIES",
+    "DEFAULT_PICKER_TTL_S",
+    "LocalPoolStore",
+    "PeerView",
+    "PickerUpdate",
+    "PodLoad",
+    "PoolStateStore",
+    "RoutedEntry",
+]

@@ -1,0 +1,351 @@
+"""One picker's side of the shared pool state: publish what it decided, fold in what
+the others decided, and keep routing on local state while the store is away.
+
+The decision path never waits for the store. It books in-flight load and writes
+speculative index entries locally, as a picker alone does; each such change wakes a
+background loop that exchanges this picker's changes for its peers' state in one round
+trip (changes made while an exchange is in flight ride the next one, so there is at
+most one write per decision and usually fewer). Without changes the loop still
+exchanges every `interval_s`: that is the heartbeat that keeps this picker's entry alive
+and the read that brings its peers' decisions in.
+
+Peers' loads are folded into the datastore's per-pod in-flight counts; their routed
+prefixes go into the local block index as speculative entries with what is left of
+their expiry.
+
+Store outage: an exchange that fails or times out marks the store down (one log line,
+a counter, the `smart_epp_shared_state_up` gauge); peers' loads are dropped, since
+nothing refreshes them, and the picker routes on its own state. Routed entries made
+meanwhile wait in a bounded outbox (expired ones dropped). When an exchange succeeds
+again, the picker writes its whole load table and the outbox (reconcile), and logs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..datastore import Datastore
+from .store import PeerView, PickerUpdate, PodLoad, PoolStateStore, RoutedEntry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 0.02
+# Off by default (inf): decisions use what the background sync brought in. A finite
+# value makes a decision read the store first unless an exchange started this recently,
+# waiting at most `DEFAULT_READ_BUDGET_S`: fresher, but every such decision sleeps on a
+# socket, and a busy machine is slow to wake a sleeping process (README, "Measured").
+DEFAULT_MAX_STALENESS_S = float("inf")
+DEFAULT_READ_BUDGET_S = 0.001
+DEFAULT_TIMEOUT_S = 0.5
+DEFAULT_RETRY_S = 0.5
+MAX_OUTBOX = 10_000
+
+
+def new_picker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class SharedStateMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.up = Gauge(
+            "smart_epp_shared_state_up",
+            "1 while the shared pool-state store answers, 0 while this picker routes on "
+            "local state alone",
+            registry=registry,
+        )
+        self.transitions = Counter(
+            "smart_epp_shared_state_transitions_total",
+            "Shared pool-state store reachability changes, by the state entered",
+            ["to"],
+            registry=registry,
+        )
+        self.exchanges = Counter(
+            "smart_epp_shared_state_exchanges_total",
+            "Round trips to the shared pool-state store, by result",
+            ["result"],
+            registry=registry,
+        )
+        self.exchange_seconds = Histogram(
+            "smart_epp_shared_state_exchange_seconds",
+            "Duration of one exchange with the shared pool-state store",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5),
+            registry=registry,
+        )
+        self.routed = Counter(
+            "smart_epp_shared_state_routed_entries_total",
+            "Routed-prefix entries: published by this picker, or applied from its peers",
+            ["direction"],
+            registry=registry,
+        )
+        self.peers = Gauge(
+            "smart_epp_shared_state_peers",
+            "Other live pickers sharing the pool state, at the last exchange",
+            registry=registry,
+        )
+        self.peer_requests = Gauge(
+            "smart_epp_shared_state_peer_inflight_requests",
+            "Requests other pickers have in flight on the pod, at the last exchange",
+            ["pod"],
+            registry=registry,
+        )
+
+
+class SharedPoolState:
+    """Connects one picker's datastore and block index to a `PoolStateStore`."""
+
+    def __init__(
+        self,
+        store: PoolStateStore,
+        datastore: Datastore,
+        *,
+        index: Any = None,
+        picker_id: str | None = None,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        retry_s: float = DEFAULT_RETRY_S,
+        max_staleness_s: float = DEFAULT_MAX_STALENESS_S,
+        read_budget_s: float = DEFAULT_READ_BUDGET_S,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.store = store
+        self.datastore = datastore
+        # Peers' routed prefixes are written straight into this (untapped) index.
+        self.index = index
+        self.picker_id = picker_id or new_picker_id()
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.max_staleness_s = max_staleness_s
+        self.read_budget_s = read_budget_s
+        self._view_at = float("-inf")  # when the last successful exchange started
+        self._current: asyncio.Task[bool] | None = None
+        self.metrics = SharedStateMetrics(registry or CollectorRegistry())
+        self.up: bool | None = None  # None until the first exchange
+        self.outages = 0
+        self.exchanges = 0
+        self._changed: set[str] = set()
+        self._published: dict[str, PodLoad] = {}
+        self._replace = True
+        # (monotonic time recorded, entry)
+        self._outbox: deque[tuple[float, RoutedEntry]] = deque(maxlen=MAX_OUTBOX)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._peer_pods: set[str] = set()
+        datastore.on_change = self._load_changed
+
+    # ------------------------------------------------------------------ decision path
+
+    def _load_changed(self, address: str) -> None:
+        self._changed.add(address)
+        self._wake.set()
+
+    async def refresh(self) -> None:
+        """Before a decision: makes the peers' state at most `max_staleness_s` old, by
+        joining the exchange in flight or starting one, waiting at most
+        `read_budget_s`. Returns at once while the store is down (local state)."""
+        if self.up is not True or time.monotonic() - self._view_at <= self.max_staleness_s:
+            return
+        task = self._kick()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), self.read_budget_s)
+
+    def _kick(self) -> asyncio.Task[bool]:
+        """The exchange in flight, or a new one: never two at once."""
+        if self._current is None or self._current.done():
+            self._current = asyncio.ensure_future(self.sync_once())
+        return self._current
+
+    def routed(self, pod: str, keys: Sequence[int], ttl_s: float) -> None:
+        """A prompt's blocks were marked held by `pod` on this picker: tell the others."""
+        if keys and ttl_s > 0:
+            self._outbox.append((time.monotonic(), RoutedEntry(pod, tuple(keys), ttl_s)))
+            self._wake.set()
+
+    # ------------------------------------------------------------------ the loop
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="shared-pool-state")
+
+    async def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        if self._task is not None:
+            # Python 3.11's wait_for can swallow a cancel that meets a wake-up; the flag
+            # ends the loop then.
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._current is not None and not self._current.done():
+            self._current.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._current
+        await self.store.close()
+
+    async def _run(self) -> None:
+        while not self._closing:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            self._wake.clear()
+            if self._closing:
+                return
+            if not await asyncio.shield(self._kick()):
+                await asyncio.sleep(self.retry_s)
+
+    def _update(self) -> PickerUpdate:
+        now = time.monotonic()
+        routed: list[RoutedEntry] = []
+        for recorded, entry in self._outbox:
+            left = entry.ttl_s - (now - recorded)
+            if left > 0:
+                routed.append(RoutedEntry(entry.pod, entry.keys, left))
+        own = self.datastore.own_load
+        pool = {pod.address for pod in self.datastore.pods()}
+        if self._replace:
+            loads = {address: PodLoad(*own(address)) for address in pool}
+            loads = {address: load for address, load in loads.items() if not load.empty}
+        else:
+            # Changed pods, and pods that left the pool (their load goes to 0).
+            addresses = self._changed | (self._published.keys() - pool)
+            loads = {}
+            for address in addresses:
+                load = PodLoad(*own(address))
+                if self._published.get(address, PodLoad()) != load:
+                    loads[address] = load
+        return PickerUpdate(self.picker_id, loads, routed, replace=self._replace)
+
+    async def sync_once(self) -> bool:
+        """One exchange; False when the store did not answer."""
+        update = self._update()
+        sent_outbox = len(self._outbox)
+        changed = self._changed
+        self._changed = set()
+        started_at = time.monotonic()
+        started = time.perf_counter()
+        try:
+            view = await asyncio.wait_for(self.store.exchange(update), self.timeout_s)
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            self.metrics.exchanges.labels("error").inc()
+            self._changed |= changed
+            self._went_down(exc)
+            return False
+        self.metrics.exchanges.labels("ok").inc()
+        self.metrics.exchange_seconds.observe(time.perf_counter() - started)
+        self.exchanges += 1
+        self._view_at = started_at
+        if update.replace:
+            self._published = dict(update.loads)
+        else:
+            for address, load in update.loads.items():
+                if load.empty:
+                    self._published.pop(address, None)
+                else:
+                    self._published[address] = load
+        for _ in range(min(sent_outbox, len(self._outbox))):
+            self._outbox.popleft()
+        if update.routed:
+            self.metrics.routed.labels("published").inc(len(update.routed))
+        was_replace = update.replace
+        self._replace = False
+        if view.store_reset:
+            self._replace = True  # the store lost what we wrote before: write it all again
+            self._wake.set()
+        self._apply(view)
+        if self.up is not True:
+            self._came_up(was_replace, len(update.loads), len(update.routed), view.peers)
+        return True
+
+    def _apply(self, view: PeerView) -> None:
+        self.datastore.set_peer_loads(
+            {
+                pod: (load.requests, load.prompt_tokens, load.prefilling, load.prefilling_tokens)
+                for pod, load in view.loads.items()
+            }
+        )
+        self.metrics.peers.set(view.peers)
+        for pod in self._peer_pods - view.loads.keys():
+            self.metrics.peer_requests.labels(pod).set(0)
+        for pod, load in view.loads.items():
+            self.metrics.peer_requests.labels(pod).set(load.requests)
+        self._peer_pods = set(view.loads)
+        add = getattr(self.index, "add_speculative_sync", None)
+        if add is not None and view.routed:
+            known = {pod.address for pod in self.datastore.pods()}
+            applied = 0
+            for entry in view.routed:
+                if entry.pod in known:
+                    add(entry.pod, entry.keys, entry.ttl_s)
+                    applied += 1
+            self.metrics.routed.labels("applied").inc(applied)
+
+    def _went_down(self, exc: BaseException) -> None:
+        self._replace = True  # the store may come back empty
+        if self.up is False:
+            return
+        self.up = False
+        self.outages += 1
+        self.metrics.up.set(0)
+        self.metrics.transitions.labels("down").inc()
+        self.datastore.set_peer_loads({})  # nothing refreshes them any more
+        self.metrics.peers.set(0)
+        log.warning(
+            "shared pool state unreachable (%s); routing on this picker's own state until "
+            "it returns",
+            str(exc) or type(exc).__name__,
+        )
+
+    def _came_up(self, replaced: bool, loads: int, routed: int, peers: int) -> None:
+        first = self.up is None
+        self.up = True
+        self.metrics.up.set(1)
+        self.metrics.transitions.labels("up").inc()
+        if first:
+            log.info("shared pool state connected as picker %s; %d peers", self.picker_id, peers)
+        else:
+            log.warning(
+                "shared pool state back; reconciled: wrote %d pods' loads%s and %d routed "
+                "entries, read %d peers",
+                loads,
+                " (whole table)" if replaced else "",
+                routed,
+                peers,
+            )
+
+
+class PublishingIndex:
+    """A block index whose speculative entries are also handed to the shared state.
+
+    The scheduler writes through this; everything else (KV events, peers' entries)
+    goes to the wrapped index directly.
+    """
+
+    def __init__(self, inner: Any, shared: SharedPoolState) -> None:
+        self.inner = inner
+        self.shared = shared
+
+    def add_speculative_sync(self, pod: str, keys: Sequence[int], ttl_s: float) -> None:
+        self.inner.add_speculative_sync(pod, keys, ttl_s)
+        self.shared.routed(pod, keys, ttl_s)
+
+    async def add_speculative(self, pod: str, keys: Sequence[int], ttl_s: float) -> None:
+        self.add_speculative_sync(pod, keys, ttl_s)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+__all__ = ["PublishingIndex", "SharedPoolState", "SharedStateMetrics", "new_picker_id"]

@@ -1,0 +1,125 @@
+"""The pool-state store's exchange, the same contract on the in-process store and on a
+real Redis-protocol server: peers see each other's loads and routed prefixes, never
+their own, once each; a picker that stops exchanging is forgotten; an emptied store is
+noticed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import redis.exceptions
+from support.net import async_wait_until
+from support.redis_server import RedisServer, redis_server_fixture
+
+from smart_epp.epp.shared_state.redis_store import RedisPoolStore
+from smart_epp.epp.shared_state.store import (
+    LocalPoolStore,
+    PickerUpdate,
+    PodLoad,
+    PoolStateStore,
+    RoutedEntry,
+)
+
+redis_server = redis_server_fixture
+
+StoreFactory = Callable[..., PoolStateStore]
+
+
+@pytest.fixture(params=["local", "redis"])
+async def stores(request: pytest.FixtureRequest) -> AsyncIterator[StoreFactory]:
+    """A factory of stores that share one backing store (one per picker, as in life)."""
+    made: list[PoolStateStore] = []
+    if request.param == "local":
+        local = LocalPoolStore(picker_ttl_s=0.3)
+
+        def factory() -> PoolStateStore:
+            return local
+
+        yield factory
+        return
+    server: RedisServer = request.getfixturevalue("redis_server")
+
+    def redis_factory() -> PoolStateStore:
+        store = RedisPoolStore.from_url(server.url, pool_name="p", picker_ttl_s=0.3)
+        made.append(store)
+        return store
+
+    yield redis_factory
+    for store in made:
+        await store.close()
+
+
+async def test_peers_see_each_others_loads_not_their_own(stores: StoreFactory) -> None:
+    a, b = stores(), stores()
+    await a.exchange(PickerUpdate("a", {"pod1": PodLoad(2, 300, 1, 100)}, replace=True))
+    view_b = await b.exchange(PickerUpdate("b", {"pod1": PodLoad(1, 10, 1, 10)}, replace=True))
+    assert view_b.loads == {"pod1": PodLoad(2, 300, 1, 100)}
+    assert view_b.peers == 1
+    view_a = await a.exchange(PickerUpdate("a", {"pod2": PodLoad(1, 5, 0, 0)}))
+    assert view_a.loads == {"pod1": PodLoad(1, 10, 1, 10)}
+    # A changed pod2 only: pod1 stays as written; an empty load removes the pod.
+    view_b = await b.exchange(PickerUpdate("b", {}))
+    assert view_b.loads == {"pod1": PodLoad(2, 300, 1, 100), "pod2": PodLoad(1, 5, 0, 0)}
+    await a.exchange(PickerUpdate("a", {"pod1": PodLoad()}))
+    view_b = await b.exchange(PickerUpdate("b", {}))
+    assert view_b.loads == {"pod2": PodLoad(1, 5, 0, 0)}
+
+
+async def test_routed_entries_reach_every_other_picker_once(stores: StoreFactory) -> None:
+    a, b, c = stores(), stores(), stores()
+    for store, name in ((a, "a"), (b, "b"), (c, "c")):
+        await store.exchange(PickerUpdate(name, {}, replace=True))
+    entry = RoutedEntry("pod1", (1, 2**64 - 1, 3), 2.0)
+    view_a = await a.exchange(PickerUpdate("a", {}, [entry]))
+    assert view_a.routed == []  # never its own
+    for store, name in ((b, "b"), (c, "c")):
+        view = await store.exchange(PickerUpdate(name, {}))
+        [got] = view.routed
+        assert (got.pod, got.keys) == ("pod1", entry.keys)
+        assert 1.0 < got.ttl_s <= 2.0
+        assert (await store.exchange(PickerUpdate(name, {}))).routed == []
+
+
+async def test_expired_routed_entries_are_not_delivered(stores: StoreFactory) -> None:
+    a, b = stores(), stores()
+    await b.exchange(PickerUpdate("b", {}, replace=True))
+    await a.exchange(PickerUpdate("a", {}, [RoutedEntry("pod1", (7,), 0.05)], replace=True))
+    await asyncio.sleep(0.1)  # the entry's own lifetime is what is under test
+    assert (await b.exchange(PickerUpdate("b", {}))).routed == []
+
+
+async def test_a_picker_that_stops_exchanging_is_forgotten(stores: StoreFactory) -> None:
+    a, b = stores(), stores()
+    await a.exchange(PickerUpdate("a", {"pod1": PodLoad(3, 30, 3, 30)}, replace=True))
+    view = await b.exchange(PickerUpdate("b", {}, replace=True))
+    assert view.loads["pod1"].requests == 3
+
+    async def forgotten() -> bool:
+        view = await b.exchange(PickerUpdate("b", {}))
+        return view.loads == {} and view.peers == 0
+
+    await async_wait_until(forgotten, 5, "a's entry expiring")
+
+
+@pytest.mark.redis
+async def test_an_emptied_store_is_noticed(redis_server: RedisServer) -> None:
+    store = RedisPoolStore.from_url(redis_server.url, pool_name="p")
+    try:
+        first = await store.exchange(PickerUpdate("a", {}, replace=True))
+        assert not first.store_reset
+        assert not (await store.exchange(PickerUpdate("a", {}))).store_reset
+        redis_server.stop()
+        redis_server.start()
+        view = None
+        for _ in range(3):  # the first call after the restart finds its connection closed
+            try:
+                view = await store.exchange(PickerUpdate("a", {}))
+                break
+            except redis.exceptions.ConnectionError:
+                continue
+        assert view is not None and view.store_reset
+        assert not (await store.exchange(PickerUpdate("a", {}, replace=True))).store_reset
+    finally:
+        await store.close()
