@@ -21,7 +21,7 @@ tcp://127.0.0.1:5558 --pod ... --profile calibrated.yaml --tokenizer DIR/tokeniz
 --model tiny --block-size 32
 
 The real-vLLM test tier runs it against two vLLM CPU pods with the tiny test model,
-calibrated with `epp calibrate` (tests/real_vllm/test_real_vllm_sim_vs_live.py).
+calibrated with `epp calibrate` (tests/real_vllm/measure_sim_vs_live.py, run by path).
 """
 
 from __future__ import annotations
