@@ -19,6 +19,7 @@ from . import (  # noqa: F401
     queue_scorer,
     random_picker,
     role_filter,
+    round_robin_picker,
     running_requests_size_scorer,
     saturation_detectors,
     saturation_filter,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +39,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs of every measurement")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--scrape-interval", type=float, default=0.0, metavar="S",
+                   help="GET the pod's /metrics every S seconds while measuring, as the "
+                   "gateway will (epp serve scrapes every 0.05 s): each scrape costs the "
+                   "pod CPU time, which a profile for pods behind smart-epp should include "
+                   "(default: no scraping)")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -52,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) < 1:
             console.print(f"[red]error:[/red] --{flag.replace('_', '-')} must be at least 1")
             return 2
+    if args.scrape_interval < 0:
+        console.print("[red]error:[/red] --scrape-interval must not be negative")
+        return 2
     try:
         profile, result = asyncio.run(calibrate(args, console))
     except (ProbeError, ValueError) as exc:
@@ -102,10 +112,11 @@ async def calibrate(args: argparse.Namespace, console: Console) -> tuple[Latency
             console=console,
         ) as progress:
             task = progress.add_task("measuring", total=plan.steps)
-            samples = await measure(
-                probe, info, plan, args.seed,
-                lambda what: progress.update(task, advance=1, description=what),
-            )  # fmt: skip
+            async with scraping(session, args.target, args.scrape_interval):
+                samples = await measure(
+                    probe, info, plan, args.seed,
+                    lambda what: progress.update(task, advance=1, description=what),
+                )  # fmt: skip
     result = fit(samples)
     name = args.name or f"calibrated-{info.model}".replace("/", "-")
     profile = LatencyProfile(
@@ -115,16 +126,45 @@ async def calibrate(args: argparse.Namespace, console: Console) -> tuple[Latency
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         **{k: _round(v) for k, v in result.coefficients.items()},
-        source=describe(args.target, info, plan, result),
+        source=describe(args.target, info, plan, result, args.scrape_interval),
     )
     return profile, result
+
+
+@contextlib.asynccontextmanager
+async def scraping(session: Any, target: str, interval_s: float) -> AsyncIterator[None]:
+    """GETs the pod's /metrics every `interval_s` (0: never) while the block runs."""
+    if interval_s <= 0:
+        yield
+        return
+
+    import aiohttp
+
+    async def loop() -> None:
+        url = target.rstrip("/") + "/metrics"
+        while True:
+            # A failed scrape is the gateway's problem, not the measurement's.
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(url) as resp:
+                    await resp.read()
+            await asyncio.sleep(interval_s)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def _round(value: float) -> float:
     return float(f"{value:.4g}")
 
 
-def describe(target: str, info: PodInfo, plan: Plan, result: Fit) -> str:
+def describe(
+    target: str, info: PodInfo, plan: Plan, result: Fit, scrape_interval_s: float = 0.0
+) -> str:
     today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     lines = [
         f"Measured by `epp calibrate` against {target} (model {info.model}) on {today}.",
@@ -134,6 +174,11 @@ def describe(target: str, info: PodInfo, plan: Plan, result: Fit) -> str:
         f"decode: median inter-token gap of {plan.decode_batches} concurrent streams at "
         f"{plan.decode_contexts}-token contexts, {plan.decode_tokens} tokens each;",
         f"each run {plan.repeats}x and the median kept, minus the median GET /health round trip.",
+        *(
+            [f"/metrics scraped every {scrape_interval_s:g} s throughout, as a gateway does."]
+            if scrape_interval_s > 0
+            else []
+        ),
         "step_overhead_s, prefill_s_per_token, prefill_attention_s_per_token_pair, "
         "decode_s_per_seq, decode_kv_read_s_per_token: non-negative least squares on "
         "relative error over all of them; fit quality per group:",

@@ -15,7 +15,17 @@ from pathlib import Path
 import pytest
 from support.net import free_port
 from support.paths import TOOLS_TEMPLATE
-from vllm_pods import MODEL_DIR, PodConfig, VllmPod, ensure_vllm_python, start_pods
+from vllm_pods import (
+    GATEWAY_SCRAPE_INTERVAL_S,
+    MODEL_DIR,
+    PodConfig,
+    VllmPod,
+    dev_mode_pod_config,
+    ensure_vllm_python,
+    start_pods,
+)
+
+from smart_epp.epp.cli import build_parser
 
 LORA_ADAPTERS = (("lora-a", MODEL_DIR / "tiny-lora-a"), ("lora-b", MODEL_DIR / "tiny-lora-b"))
 
@@ -24,6 +34,7 @@ _timings: dict[str, float] = {}
 _tier_seconds: list[float] = []
 _prediction_rows: list[tuple[str, str, int, int]] = []
 _fidelity_rows: list[tuple[int, float, float]] = []
+_sim_vs_live: list[str] = []
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,40 @@ def vllm_pods(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         _timings["pods stopped (s)"] = time.monotonic() - stopped
 
 
+@pytest.fixture(scope="session")
+def calibration_pod(
+    vllm_python: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmPod]:
+    """The pod `epp calibrate` measures, shared by the tests that compare the sim with it."""
+    pod = VllmPod(
+        dev_mode_pod_config("calibrate"),
+        vllm_python,
+        tmp_path_factory.mktemp("vllm-calibrate-logs"),
+    )
+    start_pods([pod])
+    try:
+        yield pod
+    finally:
+        pod.stop()
+
+
+@pytest.fixture(scope="session")
+def calibrated_profile(calibration_pod: VllmPod, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The profile `epp calibrate` writes for the pod (vLLM CPU defaults: chunk 2048, 128 seqs),
+    measured while its /metrics is scraped as often as `epp serve` scrapes it."""
+    out = tmp_path_factory.mktemp("calibrate") / "cpu-tiny-calibrated.yaml"
+    args = build_parser().parse_args(
+        ["calibrate", "--target", calibration_pod.url, "--out", str(out),
+         "--name", "cpu-tiny-calibrated", "--max-num-batched-tokens", "2048",
+         "--max-num-seqs", "128", "--repeats", "5",
+         "--scrape-interval", str(GATEWAY_SCRAPE_INTERVAL_S)]
+    )  # fmt: skip
+    started = time.monotonic()
+    assert args.func(args) == 0
+    _timings["epp calibrate against the real pod (s)"] = time.monotonic() - started
+    return out
+
+
 @pytest.fixture
 def pod_a(vllm_pods: PodPair) -> VllmPod:
     return vllm_pods.plain
@@ -104,6 +149,12 @@ def fidelity_rows() -> list[tuple[int, float, float]]:
     return _fidelity_rows
 
 
+@pytest.fixture(scope="session")
+def sim_vs_live() -> list[str]:
+    """The rendered sim-vs-live tables, shown in the summary."""
+    return _sim_vs_live
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not _tier_seconds:
         return
@@ -124,3 +175,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                 f"  {n:5d} tokens  real {real * 1000:7.1f}  sim {sim * 1000:7.1f}"
                 f"  error {abs(sim - real) / real:6.1%}"
             )
+    for table in _sim_vs_live:
+        write("TTFT of one trace, live (Envoy + epp + 2 real vLLM pods) vs epp replay --mode sim:")
+        for line in table.splitlines():
+            write(f"  {line}")

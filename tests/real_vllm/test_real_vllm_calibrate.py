@@ -2,7 +2,8 @@
 
 The check is the one a user would make: the same cold prompts (100-900 tokens) sent to the
 real pod and to `epp sim --profile <calibrated>` get times to first token whose median
-error is within 35%.
+error is within 35%. The pod and its calibrated profile are session fixtures (conftest),
+shared with the sim-vs-live replay comparison.
 """
 
 from __future__ import annotations
@@ -16,56 +17,36 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from support.net import free_port
+from prometheus_client.parser import text_string_to_metric_families
+from support.net import async_wait_until, free_port
 from vllm_pods import (
     BLOCK_SIZE,
+    GATEWAY_SCRAPE_INTERVAL_S,
     SERVED_MODEL,
-    PodConfig,
     VllmPod,
     die_with_parent,
-    start_pods,
     stop_process_group,
 )
 
+from smart_epp.benchmarks.calibrate.cli import scraping
 from smart_epp.benchmarks.calibrate.probe import Probe, Prompts
 from smart_epp.benchmarks.sim.profiles import load_profile_file
-from smart_epp.epp.cli import build_parser
 
 pytestmark = pytest.mark.real_vllm
 
 EPP = [sys.executable, "-c", "from smart_epp.epp.cli import main; main()"]
 COLD_LENGTHS = [100 + 800 * i // 14 for i in range(15)]  # 15 prompts, 100 to 900 tokens
+REPEATS = 3  # fresh prompts per length and pod; the median of them is compared
 
 
 @pytest.fixture(scope="module")
-def real_pod(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPod]:
-    """A plain pod of its own, with /reset_prefix_cache enabled (vLLM's dev mode)."""
-    config = PodConfig(
-        name="calibrate",
-        http_port=free_port(),
-        kv_port=free_port(),
-        replay_port=free_port(),
-        extra_env=(("VLLM_SERVER_DEV_MODE", "1"),),
-    )
-    pod = VllmPod(config, vllm_python, tmp_path_factory.mktemp("vllm-calibrate-logs"))
-    start_pods([pod])
-    try:
-        yield pod
-    finally:
-        pod.stop()
+def real_pod(calibration_pod: VllmPod) -> VllmPod:
+    return calibration_pod
 
 
 @pytest.fixture(scope="module")
-def calibrated(real_pod: VllmPod, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The profile `epp calibrate` writes for the pod (vLLM CPU defaults: chunk 2048, 128 seqs)."""
-    out = tmp_path_factory.mktemp("calibrate") / "cpu-tiny-calibrated.yaml"
-    args = build_parser().parse_args(
-        ["calibrate", "--target", real_pod.url, "--out", str(out),
-         "--name", "cpu-tiny-calibrated", "--max-num-batched-tokens", "2048",
-         "--max-num-seqs", "128", "--repeats", "5"]
-    )  # fmt: skip
-    assert args.func(args) == 0
-    return out
+def calibrated(calibrated_profile: Path) -> Path:
+    return calibrated_profile
 
 
 @pytest.fixture(scope="module")
@@ -86,19 +67,48 @@ def sim_pod(calibrated: Path) -> Iterator[str]:
         stop_process_group(proc, grace_s=10)  # type: ignore[arg-type]
 
 
+async def idle(session: aiohttp.ClientSession, url: str) -> bool:
+    """No request running or waiting on the pod (vLLM's gauges, which `epp sim` also serves)."""
+    async with session.get(f"{url}/metrics") as resp:
+        page = await resp.text()
+    busy = 0.0
+    for family in text_string_to_metric_families(page):
+        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            busy += sum(sample.value for sample in family.samples)
+    return busy == 0
+
+
 async def cold_ttfts(real_url: str, sim_url: str) -> list[tuple[int, float, float]]:
-    """Each prompt to both pods in turn (unique tokens, so cold on both): (n, real, sim)."""
+    """Median TTFT per prompt length on each pod: (n, real, sim).
+
+    Every run sends a fresh prompt (unique tokens, so cold on both pods) to both pods in
+    turn, the order alternating between runs, once both pods are idle; the medians of
+    REPEATS runs keep one slow answer on a busy machine from deciding a length's error.
+    """
     prompts = Prompts(seed=11)
-    rows = []
-    async with aiohttp.ClientSession() as session:
+    real_times: dict[int, list[float]] = {n: [] for n in COLD_LENGTHS}
+    sim_times: dict[int, list[float]] = {n: [] for n in COLD_LENGTHS}
+    async with (
+        aiohttp.ClientSession() as session,
+        # As during calibration: both pods scraped as often as the gateway scrapes them.
+        scraping(session, real_url, GATEWAY_SCRAPE_INTERVAL_S),
+        scraping(session, sim_url, GATEWAY_SCRAPE_INTERVAL_S),
+    ):
         real, sim = Probe(session, real_url, SERVED_MODEL), Probe(session, sim_url, SERVED_MODEL)
-        for n in COLD_LENGTHS:
-            prompt = prompts.make(n)
-            real_t = (await real.stream(prompt, 1)).ttft_s
-            sim_t = (await sim.stream(prompt, 1)).ttft_s
-            assert real_t is not None and sim_t is not None
-            rows.append((n, real_t, sim_t))
-    return rows
+        for run in range(REPEATS):
+            for n in COLD_LENGTHS:
+                for url in (real_url, sim_url):
+                    await async_wait_until(
+                        lambda u=url: idle(session, u), timeout=60, what=f"{url} to be idle"
+                    )
+                order = [(real, real_times), (sim, sim_times)]
+                for probe, times in order if run % 2 == 0 else order[::-1]:
+                    ttft = (await probe.stream(prompts.make(n), 1)).ttft_s
+                    assert ttft is not None
+                    times[n].append(ttft)
+    return [
+        (n, statistics.median(real_times[n]), statistics.median(sim_times[n])) for n in COLD_LENGTHS
+    ]
 
 
 def test_calibrated_profile_loads_and_the_sim_answers_cold_prompts_like_the_real_pod(

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from support.net import free_port
 from support.paths import REPO, VLLM_FIXTURES
 
 SETUP_SCRIPT = REPO / "deploy" / "vllm" / "setup_env.sh"
@@ -32,6 +33,8 @@ LAUNCHER = REPO / "deploy" / "vllm" / "vllm_launcher.py"
 MODEL_DIR = VLLM_FIXTURES / "model"
 SERVED_MODEL = "tiny"
 BLOCK_SIZE = 32  # the CPU backend needs a multiple of 32
+# epp serve's default metrics scrape period: the load a pod behind the gateway carries.
+GATEWAY_SCRAPE_INTERVAL_S = 0.05
 
 
 def cache_root() -> Path:
@@ -137,6 +140,17 @@ class PodConfig:
         )
         env.update(dict(self.extra_env))
         return env
+
+
+def dev_mode_pod_config(name: str) -> PodConfig:
+    """A plain pod with /reset_prefix_cache enabled (vLLM's dev mode), on free ports."""
+    return PodConfig(
+        name=name,
+        http_port=free_port(),
+        kv_port=free_port(),
+        replay_port=free_port(),
+        extra_env=(("VLLM_SERVER_DEV_MODE", "1"),),
+    )
 
 
 @dataclass(eq=False)  # identity semantics: pods live in a set

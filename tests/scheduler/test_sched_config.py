@@ -77,6 +77,17 @@ schedulingProfiles:
 """
 
 
+def test_the_round_robin_config_of_the_benchmarks_builds_a_round_robin_picker():
+    from pathlib import Path
+
+    import smart_epp.benchmarks
+
+    path = Path(smart_epp.benchmarks.__file__).parent / "replay" / "configs" / "round-robin.yaml"
+    (profile,) = instantiate(load_config(str(path))).profiles
+    assert profile.picker.type_name == "round-robin-picker"
+    assert profile.scorers == []
+
+
 def test_every_builtin_config_loads_and_builds_one_profile():
     for name in BUILTIN_CONFIGS:
         plugins = instantiate(builtin_config(name))

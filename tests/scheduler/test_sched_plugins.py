@@ -283,6 +283,27 @@ def test_random_picker_ignores_scores():
     assert min(wins.values()) > 120
 
 
+def test_round_robin_picker_takes_pods_in_turn_by_address_ignoring_scores():
+    picker = make("round-robin-picker")
+    a, b, c = pod("10.0.0.1:8000"), pod("10.0.0.2:8000"), pod("10.0.0.3:8000")
+    # The candidates' order changes from call to call; the rotation follows the addresses.
+    orders = [[c, a, b], [b, c, a], [a, b, c], [c, b, a]]
+    picks = [picker.pick(ctx_for(), order, [0.0, 1.0, 0.5])[0] for order in orders]
+    assert addresses(picks) == ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.1:8000"]
+    assert picker.pick(ctx_for(), [], []) == []
+    fallbacks = make("round-robin-picker", maxNumOfEndpoints=3)
+    assert addresses(fallbacks.pick(ctx_for(), [a, b, c], [1.0, 1.0, 1.0])) == [
+        "10.0.0.1:8000",
+        "10.0.0.2:8000",
+        "10.0.0.3:8000",
+    ]
+    assert addresses(fallbacks.pick(ctx_for(), [a, b, c], [1.0, 1.0, 1.0])) == [
+        "10.0.0.2:8000",
+        "10.0.0.3:8000",
+        "10.0.0.1:8000",
+    ]
+
+
 def test_weighted_random_picker_follows_scores():
     pods = [pod("a"), pod("b"), pod("zero")]
     picker = make("weighted-random-picker")

@@ -81,3 +81,52 @@ def test_an_unreachable_target_is_a_clear_error(capsys):
     args = build_parser().parse_args(["calibrate", "--target", f"http://127.0.0.1:{free_port()}"])
     assert args.func(args) == 1
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_a_negative_scrape_interval_is_refused(capsys):
+    args = build_parser().parse_args(
+        ["calibrate", "--target", "http://127.0.0.1:1", "--scrape-interval", "-1"]
+    )
+    assert args.func(args) == 2
+    assert "--scrape-interval" in capsys.readouterr().err
+
+
+def test_scraping_gets_metrics_at_the_interval_only_while_the_block_runs():
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from smart_epp.benchmarks.calibrate.cli import scraping
+
+    async def scenario() -> tuple[int, int]:
+        hits = 0
+        five = asyncio.Event()
+
+        async def metrics(_: web.Request) -> web.Response:
+            nonlocal hits
+            hits += 1
+            if hits == 5:
+                five.set()
+            return web.Response(text="vllm:num_requests_running 0\n")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with scraping(session, f"http://127.0.0.1:{port}", 0.02):
+                    await asyncio.wait_for(five.wait(), 10)
+                during = hits
+                # Five scrape periods with the block closed: none may come.
+                await asyncio.sleep(0.1)
+                return during, hits
+        finally:
+            await runner.cleanup()
+
+    during, after = asyncio.run(scenario())
+    assert during >= 5
+    assert after == during

