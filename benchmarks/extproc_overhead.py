@@ -40,6 +40,7 @@ from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 from smart_epp.epp.ports import free_port
+from smart_epp.epp.processes import stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "extproc_overhead.json"
@@ -85,12 +86,7 @@ def process(
     try:
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 10)
 
 
 # ------------------------------------------------------------------ a light HTTP/1.1 client

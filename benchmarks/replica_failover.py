@@ -45,6 +45,7 @@ import yaml
 
 from smart_epp.epp.envoy_cmd import EnvoyOptions, envoy_command, render_envoy_config
 from smart_epp.epp.ports import free_port, free_port_block
+from smart_epp.epp.processes import stop_process
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "replica_failover.json"
@@ -85,13 +86,7 @@ def child(command: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_process(proc, 15)
 
 
 def port_open(port: int) -> bool:

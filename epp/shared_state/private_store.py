@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..processes import stop_process
+
 MAX_MEMORY = "256mb"
 
 
@@ -95,13 +97,8 @@ class PrivateStore:
                 return False
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_process(self.process, 5)
         self.process = None
         self._dir.cleanup()
 

@@ -20,6 +20,8 @@ import yaml
 from support.envoy import EnvoyProcess, async_running_envoy
 from support.net import async_wait_until, free_port, port_open
 
+from smart_epp.epp.processes import stop_process
+
 CLI = [sys.executable, "-c", "from smart_epp.epp.cli import main; main()"]
 MODEL = "tiny"
 
@@ -57,13 +59,8 @@ class SimPod:
             self.process.wait()
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_process(self.process, 10)
 
     def entry(self) -> dict[str, str]:
         return {
@@ -138,13 +135,7 @@ def _process(command: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, 15)
 
 
 @contextlib.asynccontextmanager

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from smart_epp.epp.envoy_cmd import EnvoyOptions, envoy_command, render_envoy_config
+from smart_epp.epp.processes import stop_process
 from support.net import free_port
 
 
@@ -67,13 +68,7 @@ class EnvoyProcess:
         return bool(flags) and all(line.endswith("::healthy") for line in flags)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 10)
 
 
 def _ready(admin_port: int) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from smart_epp.epp.processes import stop_process
 from smart_epp.epp.shared_state.private_store import server_binary
 from support.net import free_port, port_open, wait_until
 
@@ -50,13 +51,8 @@ class RedisServer:
         return self
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_process(self.process, 5)
         self.process = None
 
     def close(self) -> None:
