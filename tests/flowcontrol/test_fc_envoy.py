@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,7 +23,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from support.envoy import async_running_envoy
-from support.net import async_wait_until, free_port, port_open
+from support.net import async_wait_until, free_port, free_port_run, port_open
 
 pytestmark = pytest.mark.envoy
 
@@ -85,23 +83,6 @@ def process(log: Path, *args: str) -> Iterator[subprocess.Popen[bytes]]:
             proc.wait()
 
 
-def consecutive_free_ports(count: int) -> int:
-    """The first of `count` consecutive ports free to bind now, below the ephemeral range
-    (so no outgoing connection takes one meanwhile)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20_000, 32_000 - count)
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(base, base + count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
 def epp_serve_args(tmp: Path, sim_base: int, grpc_port: int, metrics_port: int) -> list[str]:
     config, objectives = tmp / "epp.yaml", tmp / "objectives.yaml"
     config.write_text(CONFIG)
@@ -116,7 +97,7 @@ def epp_serve_args(tmp: Path, sim_base: int, grpc_port: int, metrics_port: int) 
 async def test_overload_sheds_sheddable_fast_queues_the_rest_and_loses_nothing(
     tmp_path: Path,
 ) -> None:
-    sim_base, grpc_port, metrics_port = consecutive_free_ports(PODS), free_port(), free_port()
+    sim_base, grpc_port, metrics_port = free_port_run(PODS), free_port(), free_port()
     sim_args = ["sim", "--pods", str(PODS), "--base-port", str(sim_base), "--no-kv-events",
                 "--model", MODEL]  # fmt: skip
     serve_args = epp_serve_args(tmp_path, sim_base, grpc_port, metrics_port)

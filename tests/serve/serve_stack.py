@@ -11,10 +11,8 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -26,7 +24,7 @@ import yaml
 import zmq
 import zmq.asyncio
 from support.envoy import EnvoyProcess, async_running_envoy
-from support.net import async_wait_until, free_port, port_open
+from support.net import async_wait_until, free_port, free_port_run, port_open
 
 from smart_epp.benchmarks.sim.pool import PodHandle, SimPool, pool_configs
 from smart_epp.benchmarks.sim.tokenizer import load_tokenizer
@@ -94,27 +92,6 @@ class KVEventRelay:
 
 
 # --------------------------------------------------------------------------- pods
-
-
-def free_port_run(count: int) -> int:
-    """The first of `count` consecutive free ports below the kernel's ephemeral range.
-
-    A restarted pod binds its KV ports again while sockets keep reconnecting to them; a
-    port inside the ephemeral range can meanwhile be taken as a reconnecting socket's
-    own source port (a TCP self-connect), and the rebind then fails.
-    """
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20_000, 32_000 - count)
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(base, base + count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 @contextlib.asynccontextmanager
