@@ -33,6 +33,9 @@ async def test_requests_land_on_the_chosen_endpoint(body_mode: str) -> None:
             assert answer["body_sha256"] == hashlib.sha256(json.dumps(body).encode()).hexdigest()
             assert backend.received[-1].destination == backend.address
         assert sum(len(b.received) for b in gw.backends) == 4
+        # The scheduler hears of a routing after the reply goes to Envoy, so the last
+        # one can reach it after the backend has answered.
+        await async_wait_until(lambda: len(gw.scheduler.routed) >= 4, 10, "4 routings")
         routed = [request for request, _ in gw.scheduler.routed]
         assert [r.api for r in routed] == [Api.COMPLETIONS] * 4
         assert [r.prompt for r in routed] == ["to 2", "to 0", "to 1", "to 2"]
