@@ -337,7 +337,11 @@ class TTFTLearner:
         if predicted > 0:
             before = speed.scale
             ratio = ttft_s / (before * predicted)
-            rate = max(SPEED_RATE, 1.0 / (speed.samples + 1))
+            # The factor is a pod's speed at the work; an answer that is mostly the fixed
+            # cost (a few-token prompt, nothing ahead) says little about it, so it moves
+            # the factor by its work's share and leaves the rest to the pool's shape.
+            work_share = max(0.0, 1.0 - self.pool.c[0] / predicted)
+            rate = max(SPEED_RATE, 1.0 / (speed.samples + 1)) * work_share
             if speed.samples >= SPEED_SETTLED:
                 # An answer far off the prediction (a paused or preempted request) counts
                 # as at most SPEED_RATIO_LIMIT off, for the factor and for the shape.

@@ -153,6 +153,20 @@ def test_a_slower_pod_gets_its_own_factor_and_leaves_the_shape_alone():
     assert model.predict("slow:1", *probe) == pytest.approx(true_ttft(*probe, slow), rel=0.15)
 
 
+def test_a_few_token_first_answer_teaches_the_fixed_cost_not_the_pods_speed():
+    """A pod's first answer is a 2-token probe that took 40 ms (connection set-up, not
+    prefill): it says nothing about how fast that pod prefills. Identical pods then answer
+    cold 1,600-token prompts; the probed pod must be priced like them for the next one."""
+    model = learner()
+    model.observe("probed:1", 0.040, 2, 0, Snapshot(0.0, 0.0, 0.0))
+    cold = (1600, attention_pairs(1600, 0), 0)
+    for address in ("b:1", "c:1", "d:1"):
+        model.observe(address, 0.300, 1600, 0, Snapshot(0.0, 0.0, 0.0))
+    others = [model.predict(a, *cold) for a in ("b:1", "c:1", "d:1")]
+    assert model.predict("probed:1", *cold) == pytest.approx(min(others), rel=0.25)
+    assert model.scale("probed:1") < 1.25  # it is not taken for a slow pod
+
+
 def item(tokens: float, routed_at: float, prefill_s: float = 1.0) -> Inflight:
     return Inflight(tokens, attention_pairs(tokens, 0), routed_at, prefill_s, routed_at + 10)
 
