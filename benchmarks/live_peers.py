@@ -8,6 +8,9 @@ profile, slowed by `--time-scale` so a shared machine keeps up), then one router
 of them, each its own process:
 
 - `smart-epp`: `epp serve` (default config, KV events from every pod) behind `epp envoy`;
+- `smart-epp 3 replicas`: three such `epp serve` sharing pool state through one Valkey
+  (`--shared-state redis`), each subscribed to every pod, behind one `epp envoy` that
+  balances the ext_proc streams over them (the active-active deployment);
 - `vllm-router cache_aware` and `vllm-router kv_aware` (its KV-event mode, fed the pods'
   ZMQ streams and replay sockets);
 - `sglang-router cache_aware`.
@@ -32,6 +35,7 @@ import json
 import math
 import shutil
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -63,6 +67,7 @@ from smart_epp.epp.demo import (
     wait_for,
 )
 from smart_epp.epp.ports import free_port, free_port_block
+from smart_epp.epp.shared_state.private_store import server_binary
 
 MODEL = "sim-model"
 PROFILE = "h100-llama3-8b"
@@ -71,6 +76,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "live_peers.json"
 INSTALL_HINT = "not installed: pip install -e '.[peers]' (vllm-router, sglang-router)"
 ROUTER_NAMES = (
     "smart-epp",
+    "smart-epp 3 replicas",
     "vllm-router cache_aware",
     "vllm-router kv_aware",
     "sglang-router cache_aware",
@@ -121,8 +127,7 @@ def _binary(name: str) -> str | None:
     return str(beside) if beside.exists() else shutil.which(name)
 
 
-def start_smart_epp(group: ProcessGroup, pods: Pods) -> str:
-    """`epp serve` with its default config behind `epp envoy`, as the README deploys it."""
+def _endpoints_file(group: ProcessGroup, pods: Pods) -> Path:
     endpoints = group.workdir / "endpoints.yaml"
     endpoints.write_text(
         yaml.safe_dump(
@@ -134,26 +139,72 @@ def start_smart_epp(group: ProcessGroup, pods: Pods) -> str:
             }
         )
     )
+    return endpoints
+
+
+def _start_epp_serve(group: ProcessGroup, name: str, endpoints: Path, *extra: str) -> str:
+    """One `epp serve` (default config); returns its ext_proc address once it answers."""
     grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
     epp = group.start(
-        "epp",
+        name,
         epp_argv(
             "serve", "--grpc-port", str(grpc_port), "--health-port", str(health_port),
             "--metrics-port", str(metrics_port), "--endpoints-file", str(endpoints),
-            "--log-level", "warning",
+            "--log-level", "warning", *extra,
         ),
     )  # fmt: skip
-    wait_for("epp", lambda: http_ok(f"http://127.0.0.1:{metrics_port}/metrics"), epp, 60)
+    wait_for(name, lambda: http_ok(f"http://127.0.0.1:{metrics_port}/metrics"), epp, 60)
+    return f"127.0.0.1:{grpc_port}"
+
+
+def _start_envoy(group: ProcessGroup, replicas: Sequence[str]) -> str:
     listen_port, admin_port = free_port(), free_port()
+    pickers = [arg for address in replicas for arg in ("--epp", address)]
     envoy = group.start(
         "envoy",
         epp_argv(
-            "envoy", "--listen-port", str(listen_port), "--epp-port", str(grpc_port),
+            "envoy", "--listen-port", str(listen_port), *pickers,
             "--admin-port", str(admin_port), "--concurrency", "1",
         ),
     )  # fmt: skip
     wait_for("Envoy", lambda: http_ok(f"http://127.0.0.1:{admin_port}/ready"), envoy, 60)
     return f"http://127.0.0.1:{listen_port}"
+
+
+def start_smart_epp(group: ProcessGroup, pods: Pods) -> str:
+    """`epp serve` with its default config behind `epp envoy`, as the README deploys it."""
+    address = _start_epp_serve(group, "epp", _endpoints_file(group, pods))
+    return _start_envoy(group, [address])
+
+
+def _store_answers(socket_path: Path) -> bool:
+    if not socket_path.exists():
+        return False
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(0.2)
+        try:
+            sock.connect(str(socket_path))
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+
+def start_smart_epp_replicas(group: ProcessGroup, pods: Pods, count: int = 3) -> str:
+    """`count` `epp serve` replicas sharing pool state through one Valkey
+    (`--shared-state redis`, as the Kubernetes package deploys them), each subscribed to
+    every pod's KV events, behind one `epp envoy` that balances streams over them."""
+    socket_path = group.workdir / "valkey.sock"
+    store = group.start(
+        "valkey",
+        [server_binary(), "--port", "0", "--unixsocket", str(socket_path), "--save", "",
+         "--appendonly", "no", "--dir", str(group.workdir)],
+    )  # fmt: skip
+    wait_for("Valkey", lambda: _store_answers(socket_path), store, 30)
+    endpoints = _endpoints_file(group, pods)
+    shared = ("--shared-state", "redis", "--redis-url", f"unix://{socket_path}")
+    replicas = [_start_epp_serve(group, f"epp{i}", endpoints, *shared) for i in range(count)]
+    return _start_envoy(group, replicas)
 
 
 def _start_http_router(group: ProcessGroup, name: str, argv: list[str], port: int) -> str:
@@ -199,6 +250,7 @@ ROUTER_BINARIES = {
 
 ROUTERS: dict[str, Callable[[ProcessGroup, Pods], str]] = {
     "smart-epp": start_smart_epp,
+    "smart-epp 3 replicas": start_smart_epp_replicas,
     "vllm-router cache_aware": lambda g, p: start_vllm_router(g, p, "cache_aware"),
     "vllm-router kv_aware": lambda g, p: start_vllm_router(g, p, "kv_aware"),
     "sglang-router cache_aware": start_sglang_router,
