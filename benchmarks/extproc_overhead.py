@@ -71,6 +71,22 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of a process and of every live process below it (`epp serve --workers`:
+    the supervisor, its workers and their private store)."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            total += cpu_seconds(current)
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
 @contextmanager
 def process(
     command: list[str], log: Path, cpus: set[int] | None = None
@@ -431,6 +447,8 @@ def measure_mode(
         bypass_backend=backend,
         # Plaintext to the picker, as the measurements before TLS became the default.
         secure_serving=False,
+        # Workers share one port and receive connections, not streams.
+        epp_streams_per_connection=8 if getattr(args, "workers", 1) > 1 else None,
     )
     config = workdir / f"envoy-{body_mode}.yaml"
     config.write_text(render_envoy_config(options))
@@ -460,9 +478,9 @@ def measure_mode(
                 envoy_cpu_direct += cpu_seconds(envoy.pid) - before
                 direct_conc += times
                 direct_wall += wall
-                before_epp, before_envoy = cpu_seconds(epp_pid), cpu_seconds(envoy.pid)
+                before_epp, before_envoy = tree_cpu_seconds(epp_pid), cpu_seconds(envoy.pid)
                 times, wall = await run_concurrent(listen, False, args.concurrent, args.concurrency)
-                epp_cpu += cpu_seconds(epp_pid) - before_epp
+                epp_cpu += tree_cpu_seconds(epp_pid) - before_epp
                 envoy_cpu_epp += cpu_seconds(envoy.pid) - before_envoy
                 epp_conc += times
                 epp_wall += wall
@@ -526,6 +544,13 @@ def main(argv: list[str] | None = None) -> int:
         "--paced-rate", type=float, default=1000.0, help="offered requests/s of the paced load"
     )
     parser.add_argument("--envoy-concurrency", type=int, default=1, help="Envoy worker threads")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="`epp serve --workers N` (with --processor serve); Envoy then opens a new "
+        "connection every 8 streams so that every worker receives some",
+    )
     parser.add_argument("--body-modes", default="full-duplex,buffered")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="a short run, for a smoke check")
@@ -577,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
             "paced_rate_per_s": args.paced_rate,
             "envoy_worker_threads": args.envoy_concurrency,
             "processor": args.processor,
+            "workers": args.workers,
             "processor_cpus": sorted(processor_cpus) if processor_cpus else "unpinned",
             "other_cpus": sorted(os.sched_getaffinity(0)) if processor_cpus else "unpinned",
         },
@@ -595,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
             serve = [sys.executable, "-c", "from smart_epp.epp.cli import main; main()", "serve",
                      "--endpoint", backend, "--grpc-port", str(grpc_port),
                      "--health-port", str(health_port), "--metrics-port", str(metrics_port),
-                     "--log-level", "warning", "--secure-serving=false"]  # fmt: skip
+                     "--log-level", "warning", "--secure-serving=false",
+                     "--workers", str(args.workers)]  # fmt: skip
         else:
             serve = [sys.executable, str(Path(__file__).resolve()),
                      "--serve-data-path", str(grpc_port), backend]  # fmt: skip
