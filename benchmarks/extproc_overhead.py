@@ -368,7 +368,10 @@ def serve_floor(port: int, destination: str) -> None:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+    from smart_epp.epp.datastore import Datastore
+    from smart_epp.epp.discovery import endpoints_from_addresses
     from smart_epp.proto import extproc as px
+    from smart_epp.proto.eds import add_pool_eds
 
     route = px.route_in_headers_phase(destination)
 
@@ -390,6 +393,12 @@ def serve_floor(port: int, destination: str) -> None:
     async def main() -> None:
         server = grpc.aio.server()
         px.add_ext_proc_service(server, process)
+        # Envoy learns the pool's members over EDS from the picker's port (one update at
+        # start, nothing per request): without it the pool cluster is empty and every
+        # request is a 503.
+        datastore = Datastore()
+        datastore.set_endpoints(endpoints_from_addresses([destination]))
+        add_pool_eds(server, datastore)
         checks = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(checks, server)
         server.add_insecure_port(f"127.0.0.1:{port}")
