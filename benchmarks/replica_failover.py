@@ -131,6 +131,7 @@ class Replica:
     metrics_port: int
     pool_file: Path
     workdir: Path
+    extra_args: tuple[str, ...] = ()  # e.g. the shared pool-state store
     process: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
 
@@ -143,7 +144,7 @@ class Replica:
                    "--grpc-port", str(self.grpc_port), "--health-port", str(self.health_port),
                    "--metrics-port", str(self.metrics_port), "--endpoints-file",
                    str(self.pool_file), "--model", MODEL, "--scrape-interval", "0.25",
-                   "--log-level", "info"]  # fmt: skip
+                   "--log-level", "info", *self.extra_args]  # fmt: skip
         with (self.workdir / f"epp{self.index}.log").open("ab") as out:
             self.started_at = time.monotonic()
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -202,9 +203,15 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def failover_stack(
-    workdir: Path, *, replicas: int = 3, pods: int = 3, time_scale: float = 0.2
+    workdir: Path,
+    *,
+    replicas: int = 3,
+    pods: int = 3,
+    time_scale: float = 0.2,
+    serve_args: tuple[str, ...] = (),
 ) -> AsyncIterator[Stack]:
-    """Sim pods, `replicas` pickers and Envoy (fail-open), all up and healthy."""
+    """Sim pods, `replicas` pickers (each also given `serve_args`) and Envoy (fail-open),
+    all up and healthy."""
     base = free_port_block(3 * pods)
     pod_addresses = [f"127.0.0.1:{base + i}" for i in range(pods)]
     pool_file = workdir / "pool.yaml"
@@ -221,7 +228,7 @@ async def failover_stack(
            "--kv-events-port", str(base + pods), "--replay-port", str(base + 2 * pods),
            "--time-scale", str(time_scale)]  # fmt: skip
     pickers = [
-        Replica(i, free_port(), free_port(), free_port(), pool_file, workdir)
+        Replica(i, free_port(), free_port(), free_port(), pool_file, workdir, serve_args)
         for i in range(replicas)
     ]
     options = EnvoyOptions(
@@ -290,6 +297,8 @@ class Sent:
     status: int  # 0: transport error
     latency_s: float
     error: str = ""  # what a failed request got back
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # the pod's prefix-cache hit, from the response's usage
 
 
 @dataclass
@@ -320,7 +329,12 @@ async def send(stack: Stack, i: int, max_tokens: int, sent: list[Sent]) -> None:
                 error = answer[:200].decode(errors="replace")
     except (TimeoutError, aiohttp.ClientError) as exc:
         status, error = 0, repr(exc)
-    sent.append(Sent(start, status, time.monotonic() - start, error))
+    record = Sent(start, status, time.monotonic() - start, error)
+    if status == 200:
+        usage = json.loads(answer).get("usage") or {}
+        record.prompt_tokens = usage.get("prompt_tokens") or 0
+        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    sent.append(record)
 
 
 async def open_loop(
