@@ -97,7 +97,9 @@ class Pods:
         return [f"http://{a}" for a in self.addresses]
 
 
-def start_pods(group: ProcessGroup, count: int, time_scale: float) -> Pods:
+def start_pods(
+    group: ProcessGroup, count: int, time_scale: float, tokenizer: Path | None = None
+) -> Pods:
     http_base = free_port_block(count)
     kv_base = free_port_block(2 * count)  # PUB ports, then the replay ports
     sim = group.start(
@@ -106,6 +108,7 @@ def start_pods(group: ProcessGroup, count: int, time_scale: float) -> Pods:
             "sim", "--pods", str(count), "--base-port", str(http_base), "--model", MODEL,
             "--kv-events-port", str(kv_base), "--profile", PROFILE,
             "--block-size", str(BLOCK_SIZE), "--time-scale", str(time_scale),
+            *(("--tokenizer", str(tokenizer)) if tokenizer is not None else ()),
         ),
     )  # fmt: skip
     pods = Pods(
@@ -269,6 +272,9 @@ class BenchConfig:
     question_len: int = 100
     output_len: int = 32
     time_scale: float = 4.0
+    # The pods' tokenizer (a Hugging Face model folder); None: the simulator's built-in
+    # one, whose token counts the workload's lengths are written in.
+    pod_tokenizer: Path | None = None
 
 
 def workload(cfg: BenchConfig, seed: int) -> list[TraceRequest]:
@@ -354,7 +360,7 @@ def run_once(
         return {"ok": False, "reason": f"{binary} {INSTALL_HINT}"}
     with _group() as group:
         try:
-            pods = start_pods(group, cfg.pods, cfg.time_scale)
+            pods = start_pods(group, cfg.pods, cfg.time_scale, cfg.pod_tokenizer)
             url = ROUTERS[router](group, pods)
             probe = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 1}).encode()
             deadline = time.monotonic() + 60
@@ -515,7 +521,7 @@ def run_bench(
         "what": "client-measured TTFT (streaming) and pods' own prefix-cache counters; "
         "each cell: median and min/max over the repeats",
         "config": {
-            **cfg.__dict__,
+            **{k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
             "profile": PROFILE,
             "block_size": BLOCK_SIZE,
             "pool_raw_prefill_capacity_tokens_per_s": pool_capacity_tokens_per_s(cfg),
@@ -607,6 +613,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=BenchConfig.output_len)
     p.add_argument("--time-scale", type=float, default=BenchConfig.time_scale,
                    help="wall seconds per simulated GPU second")  # fmt: skip
+    p.add_argument(
+        "--pod-tokenizer",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a Hugging Face model folder the pods tokenize with (default: the simulator's "
+        "built-in tokenizer); a real BPE tokenizer makes the same text several times more "
+        "tokens, so the load is several times higher",
+    )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     # Stopped with SIGTERM (or from a shell that ignores SIGINT in background jobs), the
@@ -618,6 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = BenchConfig(
         pods=args.pods, requests=args.requests, groups=args.groups, system_len=args.system_len,
         question_len=args.question_len, output_len=args.output_len, time_scale=args.time_scale,
+        pod_tokenizer=args.pod_tokenizer,
     )  # fmt: skip
     doc = run_bench(cfg, args.routers, args.loads, args.repeats)
     doc["command"] = "python benchmarks/live_peers.py " + " ".join(
