@@ -34,6 +34,18 @@ def test_harness_runs_smart_epp_and_reports_missing_peers(monkeypatch: pytest.Mo
     assert block["offered_qps"] == pytest.approx(0.4 * 12_500 / 700)
 
 
+@pytest.mark.envoy
+def test_three_replicas_sharing_one_store_serve_the_workload_through_one_envoy():
+    cfg = BenchConfig(pods=2, requests=16, groups=2, system_len=600, question_len=100, output_len=8)
+    doc = run_bench(cfg, ["smart-epp 3 replicas"], loads=[0.4], repeats=1, log=lambda _: None)
+    (run,) = doc["by_load"]["0.4"]["runs"]["smart-epp 3 replicas"]
+    assert run["ok"] and run["completed"] == 16 and run["failed"] == 0, run
+    # Every group's system prompt was reused after its first request, whichever replica
+    # decided: the replicas see the same pods' KV events and each other's routings.
+    assert 0.5 < run["pod_prefix_hit_rate"] < 1.0
+    assert run["router_cpu_ms_per_request"] > 0
+
+
 def _run(p90: float, ok: bool = True) -> dict:
     return {
         "ok": ok, "failed": 0, "failure_statuses": [], "ttft_p50_s": p90 / 2,
