@@ -25,15 +25,22 @@ cached tokens come from the response's `usage.prompt_tokens_details.cached_token
 present, else from the index's prediction. Requests that waited for an adapter load or
 for KV space are not learned from: those waits are separate terms.
 
-Ranking: cost = ttft + `congestionWeight` x queued requests x own prefill time. The
-second term is the prefill time this placement adds to the pod, valued at the requests it
-delays: those that will queue behind it there, about as many as are queued now. On an
+Ranking: cost = ttft + `congestionWeight` x (queued requests x own prefill time
+                                           + rho / (1 - rho) x duplicated prefill time).
+The first term is the prefill time this placement adds to the pod, valued at the requests
+it delays: those that will queue behind it there, about as many as are queued now. On an
 idle pod it is nothing and the request goes wherever it is answered first (its cached
 prefix, unless that pod is busy); on a busy pod a cache miss costs every request behind
 it, so a busy pool keeps misses off its busy pods instead of trading cache hits for a
 queue that is a little shorter (the spread -> fewer hits -> more work loop that a
-TTFT-only ranking falls into). Valuing it at the pool's mean queue instead, or not at
-all, was measured too (README, "Routing policies").
+TTFT-only ranking falls into). The second term charges a pod for the prompt tokens
+another candidate already holds (or is computing) and it would compute again, at the
+pool's cost shape: work the pool would not otherwise do, which at prefill utilisation
+rho delays the requests after it by about rho / (1 - rho) times its length (an M/M/1
+queue's wait per unit of work). rho is the predicted prefill of what this gateway routed
+in the last second, per candidate pod, capped at 0.95. An idle pool pays nothing for it;
+a saturated one follows its prefixes. Other terms were measured and rejected (README,
+"Routing policies").
 
 vLLM always computes the prompt's last token, so a pod reuses at most
 (prompt - 1) // block_size full blocks, however much of the prompt it holds.
@@ -73,6 +80,12 @@ from .ttft_model import (
 
 SCRATCH_KEY = "predicted-ttft-scorer"
 MAX_PENDING = 200_000  # requests awaiting their response; oldest dropped beyond this
+# Past this prefill utilisation the pool is saturated and rho / (1 - rho) (here 19) says
+# nothing more: the duplicated work is then always worth avoiding.
+MAX_UTILISATION = 0.95
+# Utilisation is the predicted prefill routed over this window: long enough to average a
+# few requests' arrivals, short enough to follow a load change within a second.
+UTILISATION_WINDOW_S = 1.0
 
 
 class PredictedTTFTParams(PluginParams):
@@ -262,6 +275,21 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
         self.mean_prompt_tokens = params.meanPromptTokens
         self.mean_output_tokens = params.meanOutputTokens
         self.routed_prefixes = RoutedPrefixes(params.routedPrefixSeconds)
+        # (routed at, predicted prefill seconds) of the last UTILISATION_WINDOW_S.
+        self._recent_prefill: deque[tuple[float, float]] = deque()
+        self._recent_prefill_s = 0.0
+
+    def utilisation(self, now: float, candidates: int) -> float:
+        """Predicted prefill seconds this gateway routed in the last window, per second
+        and per candidate pod: the share of the pods' time that prefill work takes."""
+        recent = self._recent_prefill
+        while recent and recent[0][0] <= now - UTILISATION_WINDOW_S:
+            self._recent_prefill_s -= recent.popleft()[1]
+        if not recent or candidates <= 0:
+            self._recent_prefill_s = 0.0
+            return 0.0
+        busy = self._recent_prefill_s / (UTILISATION_WINDOW_S * candidates)
+        return min(MAX_UTILISATION, max(0.0, busy))
 
     def decode_s_per_token(self, address: str) -> float:
         model = self.pods.get(address)
@@ -424,9 +452,26 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
         # about as many as are queued now (Little's law at a steady arrival rate).
         weight = p.congestionWeight
         costs = [t + weight * q * o for t, o, q in zip(ttfts, own_s, queued_list, strict=True)]
+        # Prompt tokens another candidate holds are work this pod would do again: valued
+        # at the pool's cost shape (not the pod's speed factor, so that pods that merely
+        # look faster are not favoured for it) and at the pool's utilisation.
+        rho = self.utilisation(now, len(pods))
+        duplicated: list[float] = [0.0] * len(pods)
+        if rho > 0 and hit_list:
+            per_work = weight * rho / (1.0 - rho)
+            best_hit = max(hit_list)
+            c1, c2 = typical * pool_c1, typical * pool_c2
+            for i, held in enumerate(hit_list):
+                extra = best_hit - held
+                if extra > 0:
+                    duplicated[i] = c1 * extra / TOKEN_UNIT + c2 * 0.5 * extra * extra / PAIR_UNIT
+                    costs[i] += per_work * duplicated[i]
         if explain is not None:
-            for pod, t, cost in zip(pods, ttfts, costs, strict=True):
-                explain[pod.endpoint.address]["congestion_s"] = cost - t
+            for pod, t, cost, dup in zip(pods, ttfts, costs, duplicated, strict=True):
+                row = explain[pod.endpoint.address]
+                row["congestion_s"] = cost - t
+                row["duplicated_s"] = dup
+                row["utilisation"] = rho
         prediction = Prediction(ttfts, costs, hit_list, own_list, ahead_list, learnable_list, keys)
         ctx.scratch[SCRATCH_KEY] = (pods, prediction)
         return prediction
@@ -474,6 +519,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
             tokens, pairs, now, max(prefill_s, 1e-6), now + prediction.ttft_s[i]
         )
         self.routed_prefixes.add(prediction.chunk_keys, address, ctx.now)
+        self._recent_prefill.append((now, prefill_s))
+        self._recent_prefill_s += prefill_s
         alpha = self.params.learningRate
         self.mean_uncached_tokens = _ewma(self.mean_uncached_tokens, max(1.0, tokens), alpha)
         self.mean_uncached_pairs = _ewma(self.mean_uncached_pairs, pairs, alpha)

@@ -219,6 +219,36 @@ def test_with_idle_pods_a_request_follows_its_cached_prefix():
     assert all(comp["congestion_s"] == 0.0 for comp in c.components.values())
 
 
+def test_a_busy_pool_waits_for_a_held_prefix_instead_of_computing_it_again():
+    """a holds 1,984 of the prompt's 2,000 tokens behind 2 waiting requests; b is idle and
+    would answer a moment sooner by computing all 2,000 again. An idle pool does that
+    (nothing waits for b's time); a pool whose prefill work fills 61% of the candidates'
+    time follows the prefix: the duplicated work is what later requests would queue on."""
+
+    def chosen(cold_requests_routed: int) -> tuple[str, dict]:
+        s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0, meanPromptTokens=1024)
+        pods = [pod("a:1", waiting=2), pod("b:1")]
+        elsewhere = pod("c:1")  # the recent traffic went to a pod outside this choice
+        for k in range(cold_requests_routed):  # 1,024 cold tokens: 0.1024 s of prefill
+            sent = ctx(1024, now=99.05 + 0.08 * k)
+            s.score(sent, [elsewhere])
+            s.on_routed(sent, elsewhere)
+        c = ctx(2000, hits={"a:1": PrefixHit(blocks=124)}, now=100.0)
+        c.block_sizes = {"a:1": 16, "b:1": 16}
+        scores = s.score(c, pods)
+        return pods[scores.index(1.0)].address, c.components
+
+    address, comp = chosen(0)
+    assert address == "b:1" and comp["b:1"]["utilisation"] == 0.0
+    assert comp["b:1"]["ttft_s"] < comp["a:1"]["ttft_s"]
+    address, comp = chosen(12)
+    # 12 x 0.1024 s of prefill in the last second over 2 candidates.
+    assert comp["b:1"]["utilisation"] == pytest.approx(12 * 0.1024 / 2)
+    assert comp["b:1"]["duplicated_s"] == pytest.approx(1984 / RATE)
+    assert comp["a:1"]["duplicated_s"] == 0.0
+    assert address == "a:1"
+
+
 def test_with_the_cached_pod_overloaded_a_request_goes_elsewhere():
     s = scorer(meanPromptTokens=4000)
     pods = [pod("a:1"), pod("b:1", waiting=30, running=20), pod("c:1")]
