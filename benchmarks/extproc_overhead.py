@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,8 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
-from smart_epp.epp.ports import free_port
+from smart_epp.benchmarks.process_cpu import cpu_seconds, tree_cpu_seconds
+from smart_epp.epp.ports import free_port, port_open
 from smart_epp.epp.processes import stop_process
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,34 +57,6 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
         time.sleep(0.05)
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU time of a process and of every live process below it (`epp serve --workers`:
-    the supervisor, its workers and their private store)."""
-    total = 0.0
-    pending = [pid]
-    while pending:
-        current = pending.pop()
-        try:
-            total += cpu_seconds(current)
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending += [int(c) for c in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return total
 
 
 @contextmanager

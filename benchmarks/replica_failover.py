@@ -29,7 +29,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,8 +42,9 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from smart_epp.benchmarks.process_cpu import cpu_seconds
 from smart_epp.epp.envoy_cmd import EnvoyOptions, envoy_command, render_envoy_config
-from smart_epp.epp.ports import free_port, free_port_block
+from smart_epp.epp.ports import free_port, free_port_block, port_open
 from smart_epp.epp.processes import stop_process
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,12 +87,6 @@ def child(command: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
     stop_process(proc, 15)
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def http_ok(url: str) -> bool:
@@ -421,11 +415,6 @@ def window(sent: list[Sent], start: float, end: float) -> dict[str, float]:
         "p50_ms": round(statistics.median(latencies) * 1000, 1),
         "p99_ms": round(latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1000, 1),
     }
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def kill_one_of_three(

@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 
+from smart_epp.benchmarks.process_cpu import cpu_seconds
 from smart_epp.epp.demo import epp_argv
 from smart_epp.epp.ports import free_port
 
@@ -85,11 +86,6 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def wait_ready(url: str) -> None:

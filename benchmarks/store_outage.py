@@ -37,13 +37,12 @@ from smart_epp.benchmarks.replica_failover import (
     failover_stack,
     metric_sum,
     open_loop,
-    port_open,
     wait_until,
     window,
 )
-from smart_epp.epp.ports import free_port
+from smart_epp.epp.ports import free_port, port_open
 from smart_epp.epp.processes import stop_process
-from smart_epp.epp.shared_state.private_store import server_binary
+from smart_epp.epp.shared_state.private_store import server_command
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "store_outage.json"
@@ -64,8 +63,7 @@ class Store:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        command = [server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-                   "--save", "", "--appendonly", "no", "--dir", str(self.workdir)]  # fmt: skip
+        command = server_command(self.workdir, port=self.port)
         with (self.workdir / "valkey.log").open("ab") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
 

@@ -25,15 +25,14 @@ from pathlib import Path
 from smart_epp.benchmarks.extproc_overhead import (
     BACKEND_SCRIPT,
     Connection,
-    cpu_seconds,
-    port_open,
     process,
     run_concurrent,
     summary,
     wait_for,
 )
+from smart_epp.benchmarks.process_cpu import cpu_seconds
 from smart_epp.epp.envoy_cmd import EnvoyOptions, envoy_command, render_envoy_config
-from smart_epp.epp.ports import free_port
+from smart_epp.epp.ports import free_port, port_open
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "tls_overhead.json"

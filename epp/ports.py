@@ -1,4 +1,5 @@
-"""Picking free local TCP ports, for processes this tool starts on one machine."""
+"""Picking free local TCP ports, for processes this tool starts on one machine, and
+telling when one of them listens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts TCP connections on the port (waits at most 0.2 s)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
 
 
 def free_port_block(count: int, attempts: int = 50) -> int:

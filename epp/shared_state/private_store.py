@@ -38,6 +38,34 @@ def server_binary() -> str:
     return found
 
 
+def server_command(
+    directory: str | Path, *, port: int = 0, unix_socket: Path | None = None
+) -> list[str]:
+    """Valkey without persistence, writing only under `directory`: on a loopback TCP port,
+    or with `port` 0 on a unix socket only (readable by this user alone)."""
+    command = [server_binary(), "--port", str(port), "--save", "", "--appendonly", "no",
+               "--dir", str(directory)]  # fmt: skip
+    if port:
+        command += ["--bind", "127.0.0.1"]
+    if unix_socket is not None:
+        command += ["--unixsocket", str(unix_socket), "--unixsocketperm", "700"]
+    return command
+
+
+def answers(socket_path: Path) -> bool:
+    """Whether a Redis-protocol server answers PING on this unix socket."""
+    if not socket_path.exists():
+        return False
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(0.2)
+        try:
+            sock.connect(str(socket_path))
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+
 class PrivateStore:
     """Valkey on a unix socket, for this process's lifetime."""
 
@@ -53,29 +81,17 @@ class PrivateStore:
     def start(self, timeout_s: float = 10.0) -> PrivateStore:
         self.process = subprocess.Popen(
             [
-                server_binary(),
-                "--port",
-                "0",
-                "--unixsocket",
-                str(self.socket_path),
-                "--unixsocketperm",
-                "700",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
+                *server_command(self._dir.name, unix_socket=self.socket_path),
                 "--maxmemory",
                 MAX_MEMORY,
                 "--maxmemory-policy",
                 "volatile-ttl",
-                "--dir",
-                self._dir.name,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + timeout_s
-        while not self._answers():
+        while not answers(self.socket_path):
             if self.process.poll() is not None:
                 raise RuntimeError(f"the private store exited with {self.process.returncode}")
             if time.monotonic() > deadline:
@@ -84,18 +100,6 @@ class PrivateStore:
             time.sleep(0.02)
         return self
 
-    def _answers(self) -> bool:
-        if not self.socket_path.exists():
-            return False
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.settimeout(0.2)
-            try:
-                sock.connect(str(self.socket_path))
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-            except OSError:
-                return False
-
     def stop(self) -> None:
         if self.process is not None:
             stop_process(self.process, 5)
@@ -103,4 +107,4 @@ class PrivateStore:
         self._dir.cleanup()
 
 
-__all__ = ["PrivateStore", "server_binary"]
+__all__ = ["PrivateStore", "answers", "server_binary", "server_command"]

@@ -9,7 +9,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 
-from smart_epp.epp.ports import free_port, free_port_block
+from smart_epp.epp.ports import free_port, free_port_block, port_open
 
 __all__ = [
     "async_wait_until",
@@ -19,12 +19,6 @@ __all__ = [
     "port_open",
     "wait_until",
 ]
-
-
-def port_open(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.2)
-        return s.connect_ex((host, port)) == 0
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from smart_epp.epp.processes import stop_process
-from smart_epp.epp.shared_state.private_store import server_binary
+from smart_epp.epp.shared_state.private_store import server_command
 from support.net import free_port, port_open, wait_until
 
 
@@ -31,19 +31,7 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         self.process = subprocess.Popen(
-            [
-                server_binary(),
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self._dir.name,
-            ],
+            server_command(self._dir.name, port=self.port),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
