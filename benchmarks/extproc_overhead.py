@@ -429,7 +429,7 @@ def measure_mode(
         # Plaintext to the picker, as the measurements before TLS became the default.
         secure_serving=False,
         # Workers share one port and receive connections, not streams.
-        epp_streams_per_connection=8 if getattr(args, "workers", 1) > 1 else None,
+        epp_streams_per_connection=8 if args.workers > 1 else None,
     )
     config = workdir / f"envoy-{body_mode}.yaml"
     config.write_text(render_envoy_config(options))
