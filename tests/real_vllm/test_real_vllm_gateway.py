@@ -83,6 +83,11 @@ class Gateway:
             for name in ("smart_epp_pod_restarts_total", "smart_epp_kv_pod_restarts_total")
         )
 
+    def in_flight(self) -> float:
+        """Requests the gateway routed and has not yet seen the outcome of (the response
+        path reports an outcome after the client has its answer)."""
+        return metric_sum(self.metrics(), "inference_objective_running_requests")
+
     def index_entries(self) -> float:
         """(block, pod) entries in the gateway's block index."""
         return metric_sum(self.metrics(), "smart_epp_kv_index_entries")
@@ -264,6 +269,9 @@ def audit_totals(gateway: Gateway) -> dict[str, int]:
 
 
 def test_live_audit_agrees_with_vllm_and_counts_an_induced_miss(gateway: Gateway) -> None:
+    # Earlier tests' last responses are audited when their outcomes arrive, which can be
+    # after their clients were answered: count from when none is outstanding.
+    wait_until(lambda: gateway.in_flight() == 0, timeout=30, what="earlier requests' outcomes")
     before = audit_totals(gateway)
     # 200 words is 500-670 tokens: the tool chat renders this system prompt and the tool's
     # description (up to ~240 tokens) together, below the pods' 1,024-token context.
