@@ -221,25 +221,27 @@ async def failover_stack(
     sim = [*CLI, "sim", "--pods", str(pods), "--base-port", str(base), "--model", MODEL,
            "--kv-events-port", str(base + pods), "--replay-port", str(base + 2 * pods),
            "--time-scale", str(time_scale)]  # fmt: skip
-    pickers = [
-        Replica(i, free_port(), free_port(), free_port(), pool_file, workdir, serve_args)
-        for i in range(replicas)
-    ]
-    options = EnvoyOptions(
-        listen_port=free_port(),
-        admin_port=free_port(),
-        listen_address="127.0.0.1",
-        failure_mode="open",
-        secure_serving=False,
-        epp_replicas=tuple(r.address for r in pickers),
-    )
-    config = workdir / "envoy.yaml"
-    config.write_text(render_envoy_config(options))
     with contextlib.ExitStack() as processes:
         processes.enter_context(child(sim, workdir / "sim.log"))
         await wait_until(
             lambda: all(http_ok(f"http://{a}/metrics") for a in pod_addresses), 60, "sim pods up"
         )
+        # Only now, with the pods' ports bound: a port picked earlier could be one of the
+        # pods' block, free until the simulator bound it.
+        pickers = [
+            Replica(i, free_port(), free_port(), free_port(), pool_file, workdir, serve_args)
+            for i in range(replicas)
+        ]
+        options = EnvoyOptions(
+            listen_port=free_port(),
+            admin_port=free_port(),
+            listen_address="127.0.0.1",
+            failure_mode="open",
+            secure_serving=False,
+            epp_replicas=tuple(r.address for r in pickers),
+        )
+        config = workdir / "envoy.yaml"
+        config.write_text(render_envoy_config(options))
         for picker in pickers:
             picker.start()
             processes.callback(picker.stop)  # whichever process it runs by then
