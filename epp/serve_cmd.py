@@ -861,10 +861,18 @@ def _curve_config(args: argparse.Namespace) -> CurveServerConfig | None:
     return CurveServerConfig(key, clients)
 
 
-def run(args: argparse.Namespace) -> int:
+def _configure_logging(level_name: str) -> None:
+    """`--log-level` sets smart-epp's own loggers. Libraries stay at info or above: at debug,
+    grpc logs a line per event-loop tick and per cancelled stream, burying the decisions."""
+    level = logging.getLevelName(level_name.upper())
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=max(level, logging.INFO), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger(__package__.rpartition(".")[0] or __package__).setLevel(level)
+
+
+def run(args: argparse.Namespace) -> int:
+    _configure_logging(args.log_level)
     if args.endpoints_file is not None and not args.endpoints_file.is_file():
         log.error("endpoints file %s does not exist", args.endpoints_file)
         return 2

@@ -63,6 +63,8 @@ async def test_bodiless_request_is_decided_on_headers(body_mode: str) -> None:
         ) as response:
             assert response.status == 200
             assert (await response.json())["backend"] == target.name
+        # The routing reaches the scheduler after the reply goes to Envoy.
+        await async_wait_until(lambda: len(gw.scheduler.routed) == 1, 10, "the routing")
         request, _ = gw.scheduler.routed[-1]
         assert request.api is Api.OTHER and request.body == b""
 

@@ -7,6 +7,7 @@ counters), never from the gateway, so a gateway that merely claims to route well
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import urllib.error
@@ -51,6 +52,24 @@ def finished_requests(pod: VllmPod) -> float:
     return metric_sum(pod.get_text("/metrics"), "vllm:request_success_total")
 
 
+@dataclass(frozen=True)
+class Decision:
+    """One debug decision line: the pods in the order tried, and each candidate's prefix hit."""
+
+    picked: tuple[str, ...]
+    hit_tokens: dict[str, int]
+
+    @classmethod
+    def parse(cls, line: str) -> Decision:
+        head, _, candidates = line.partition(" | ")
+        picked = tuple(head.rpartition("picked=")[2].split(","))
+        hits = {
+            address: int(fields.split("hit_tokens=")[1].split()[0])
+            for address, fields in re.findall(r"(\S+?)\[([^\]]*)\]", candidates)
+        }
+        return cls(picked, hits)
+
+
 @dataclass
 class Gateway:
     envoy: EnvoyProcess
@@ -60,6 +79,12 @@ class Gateway:
 
     def log_tail(self, chars: int = 3000) -> str:
         return "epp log:\n" + self.log_path.read_text(errors="replace")[-chars:]
+
+    def last_decision(self) -> Decision:
+        """The last routing decision in the epp log (epp serves at --log-level debug)."""
+        lines = [line for line in self.log_path.read_text().splitlines() if " decision " in line]
+        assert lines, self.log_tail()
+        return Decision.parse(lines[-1])
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
@@ -163,6 +188,7 @@ def gateway(vllm_pods, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gat
         "--health-port", str(health_port),
         "--metrics-port", str(metrics_port),
         "--endpoints-file", str(endpoints),
+        "--log-level", "debug",
     ]  # fmt: skip
     with log_path.open("wb") as log:
         epp = subprocess.Popen(
@@ -251,10 +277,18 @@ def test_restarted_pod_is_forgotten_and_routing_continues(
     wait_until(lambda: gateway.index_entries() <= limit, timeout=30, what="the pod's purge")
 
     # Pod A now holds most of the prefix; the restarted pod B, which held all of it before
-    # the restart, holds none. A stale index would send the request to pod B.
-    gateway.send_direct_and_wait_learned(pod_a, completion_body(prefix[: len(prefix) * 9 // 10], 2))
+    # the restart, holds none. A stale index would credit pod B with the whole prefix.
+    held = gateway.send_direct_and_wait_learned(
+        pod_a, completion_body(prefix[: len(prefix) * 9 // 10], 2)
+    )
     served = gateway.post_and_find_pod("/v1/completions", completion_body(prefix, 4))
-    assert served is pod_a, gateway.log_tail()
+    decision = gateway.last_decision()
+    assert decision.hit_tokens[pod_b.config.address] == 0, decision
+    a_blocks = held["usage"]["prompt_tokens"] // BLOCK_SIZE
+    assert decision.hit_tokens[pod_a.config.address] >= (a_blocks - 1) * BLOCK_SIZE, decision
+    # Which pod answers also weighs each pod's learned speed, which this shared machine's
+    # load moves; what must hold is that the request went where the picker sent it.
+    assert served.config.address == decision.picked[0], gateway.log_tail()
     for _ in range(4):
         code, body = gateway.post("/v1/completions", completion_body(unique_prompt("after"), 2))
         assert code == 200, body
