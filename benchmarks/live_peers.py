@@ -11,6 +11,9 @@ of them, each its own process:
 - `smart-epp 3 replicas`: three such `epp serve` sharing pool state through one Valkey
   (`--shared-state redis`), each subscribed to every pod, behind one `epp envoy` that
   balances the ext_proc streams over them (the active-active deployment);
+- `smart-epp 2 workers`: one `epp serve --workers 2` (two picker processes on one port,
+  sharing pool state through a private Valkey), Envoy opening a new connection to it every
+  2 streams so that both workers decide (`--epp-streams-per-connection 2`);
 - `vllm-router cache_aware` and `vllm-router kv_aware` (its KV-event mode, fed the pods'
   ZMQ streams and replay sockets);
 - `sglang-router cache_aware`.
@@ -48,7 +51,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from smart_epp.benchmarks.process_cpu import cpu_seconds
+from smart_epp.benchmarks.process_cpu import tree_cpu_seconds
 from smart_epp.benchmarks.replay.arrivals import poisson_arrivals
 from smart_epp.benchmarks.replay.live import LiveOptions, run_live
 from smart_epp.benchmarks.replay.report import RequestResult, summarize
@@ -77,6 +80,7 @@ INSTALL_HINT = "not installed: pip install -e '.[peers]' (vllm-router, sglang-ro
 ROUTER_NAMES = (
     "smart-epp",
     "smart-epp 3 replicas",
+    "smart-epp 2 workers",
     "vllm-router cache_aware",
     "vllm-router kv_aware",
     "sglang-router cache_aware",
@@ -160,14 +164,14 @@ def _start_epp_serve(group: ProcessGroup, name: str, endpoints: Path, *extra: st
     return f"127.0.0.1:{grpc_port}"
 
 
-def _start_envoy(group: ProcessGroup, replicas: Sequence[str]) -> str:
+def _start_envoy(group: ProcessGroup, replicas: Sequence[str], *extra: str) -> str:
     listen_port, admin_port = free_port(), free_port()
     pickers = [arg for address in replicas for arg in ("--epp", address)]
     envoy = group.start(
         "envoy",
         epp_argv(
             "envoy", "--listen-port", str(listen_port), *pickers,
-            "--admin-port", str(admin_port), "--concurrency", "1",
+            "--admin-port", str(admin_port), "--concurrency", "1", *extra,
         ),
     )  # fmt: skip
     wait_for("Envoy", lambda: http_ok(f"http://127.0.0.1:{admin_port}/ready"), envoy, 60)
@@ -191,6 +195,14 @@ def start_smart_epp_replicas(group: ProcessGroup, pods: Pods, count: int = 3) ->
     shared = ("--shared-state", "redis", "--redis-url", f"unix://{socket_path}")
     replicas = [_start_epp_serve(group, f"epp{i}", endpoints, *shared) for i in range(count)]
     return _start_envoy(group, replicas)
+
+
+def start_smart_epp_workers(group: ProcessGroup, pods: Pods, workers: int = 2) -> str:
+    """One `epp serve --workers N`; Envoy's one thread would otherwise hold a single
+    connection, which the kernel hands to one worker."""
+    endpoints = _endpoints_file(group, pods)
+    address = _start_epp_serve(group, "epp", endpoints, "--workers", str(workers))
+    return _start_envoy(group, [address], "--epp-streams-per-connection", str(workers))
 
 
 def _start_http_router(group: ProcessGroup, name: str, argv: list[str], port: int) -> str:
@@ -237,6 +249,7 @@ ROUTER_BINARIES = {
 ROUTERS: dict[str, Callable[[ProcessGroup, Pods], str]] = {
     "smart-epp": start_smart_epp,
     "smart-epp 3 replicas": start_smart_epp_replicas,
+    "smart-epp 2 workers": start_smart_epp_workers,
     "vllm-router cache_aware": lambda g, p: start_vllm_router(g, p, "cache_aware"),
     "vllm-router kv_aware": lambda g, p: start_vllm_router(g, p, "kv_aware"),
     "sglang-router cache_aware": start_sglang_router,
@@ -372,9 +385,10 @@ def run_once(
 
 
 def _cpu_seconds(pid: int) -> float | None:
-    """A router process's CPU time, None where it cannot be read (it has exited)."""
+    """A router process's CPU time with its children's (`epp serve --workers`: the
+    workers and their private store), None where it cannot be read (it has exited)."""
     try:
-        return cpu_seconds(pid)
+        return tree_cpu_seconds(pid)
     except OSError:
         return None
 

@@ -89,6 +89,9 @@ class _Parsed:
     report_full: bool
 
 
+SERVED_BY_HEADER = "x-served-by"
+
+
 class SimApi:
     def __init__(self, pod: SimPod):
         self.pod = pod
@@ -107,7 +110,13 @@ class SimApi:
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/metrics", self.metrics)
+        app.on_response_prepare.append(self._name_the_pod)
         return app
+
+    async def _name_the_pod(self, request: web.Request, response: web.StreamResponse) -> None:
+        # vLLM does not say which pod answered; the simulator does, so that a benchmark in
+        # front of any router can tell where each request went.
+        response.headers[SERVED_BY_HEADER] = self.pod.config.http_address
 
     # ------------------------------------------------------------ parsing
     def _resolve_model(self, body: dict[str, Any]) -> tuple[str, str | None]:

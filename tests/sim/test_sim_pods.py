@@ -384,3 +384,14 @@ async def test_pods_can_connect_their_publisher_to_a_bound_subscriber():
             assert topics == {p.topic for p in pool.pods}
     finally:
         sub.close(linger=0)
+
+
+async def test_every_response_names_the_pod_that_answered():
+    async with run_pool(2, time_scale=0.01) as pool, aiohttp.ClientSession() as s:
+        for pod in pool.pods:
+            body = {"model": "sim-model", "prompt": "hi", "max_tokens": 2, "stream": True}
+            async with s.post(f"{pod.url}/v1/completions", json=body) as resp:
+                await resp.read()
+                assert resp.headers["x-served-by"] == pod.url.removeprefix("http://")
+            async with s.get(f"{pod.url}/v1/models") as resp:
+                assert resp.headers["x-served-by"] == pod.url.removeprefix("http://")
