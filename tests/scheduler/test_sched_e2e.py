@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 import pytest
@@ -22,7 +22,8 @@ from smart_epp.epp.flow import RequestFlow
 from smart_epp.epp.scheduler import PipelineScheduler, build_scheduler
 from smart_epp.epp.scrape import MetricsScraper
 from smart_epp.epp.server import EppServer
-from smart_epp.framework.types import Api, LLMRequest
+from smart_epp.framework.lifecycle import FlowRequest, RoutedObserver
+from smart_epp.framework.types import Api, Decision, LLMRequest
 from smart_epp.kv_index.ingest import IngestState
 from smart_epp.kv_index.manager import KVEventManager
 from smart_epp.kv_index.memory import MemoryBlockIndex
@@ -54,6 +55,21 @@ def text(seed: int, words: int) -> str:
 
 
 @dataclass
+class DecisionLog(RoutedObserver):
+    """Every decision the flow handed to Envoy (with each candidate's score components),
+    by the request's prompt."""
+
+    decisions: list[tuple[str | None, Decision]] = field(default_factory=list)
+
+    def on_routed(self, flow: FlowRequest) -> None:
+        if flow.decision is not None:
+            self.decisions.append((flow.request.prompt, flow.decision))
+
+    def last_for(self, prompt: str) -> Decision | None:
+        return next((d for p, d in reversed(self.decisions) if p == prompt), None)
+
+
+@dataclass
 class Stack:
     pool: SimPool
     datastore: Datastore
@@ -63,6 +79,7 @@ class Stack:
     envoy: EnvoyProcess
     http: aiohttp.ClientSession
     pod1_metrics: MetricsRelay
+    routed: DecisionLog
 
     def pod(self, i: int) -> PodHandle:
         return self.pool.pods[i]
@@ -85,6 +102,15 @@ class Stack:
         [pod] = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if b > a]
         return pod, answer
 
+    async def decision_for(self, prompt: str) -> Decision:
+        """The decision for the last request with `prompt` (the flow logs it after the
+        reply went to Envoy, so it can come after the answer)."""
+        log = self.routed
+        await async_wait_until(lambda: log.last_for(prompt) is not None, 10, "the decision")
+        decision = log.last_for(prompt)
+        assert decision is not None
+        return decision
+
 
 @contextlib.asynccontextmanager
 async def stack(**sim_options: object) -> AsyncIterator[Stack]:
@@ -103,10 +129,11 @@ async def stack(**sim_options: object) -> AsyncIterator[Stack]:
         scraper = MetricsScraper(datastore, interval_s=0.05, timeout_s=0.5, failure_threshold=3)
         await scraper.start()
         scheduler = build_scheduler(
-            "default", index=index, ingest_state=ingest, base_model=MODEL, seed=3
+            "default", index=index, ingest_state=ingest, base_model=MODEL, seed=3, explain=True
         )
+        routed = DecisionLog()
         server = EppServer(
-            RequestFlow(scheduler, datastore),
+            RequestFlow(scheduler, datastore, hooks=[routed]),
             adapter_resolver=lambda m: m if m in LORAS else None,
         )
         await server.start(grpc_port=0, health_port=0, metrics_port=0, host="127.0.0.1")
@@ -120,7 +147,7 @@ async def stack(**sim_options: object) -> AsyncIterator[Stack]:
                     10,
                     "first scrape of every pod",
                 )
-                yield Stack(pool, datastore, index, ingest, scheduler, envoy, http, relay)
+                yield Stack(pool, datastore, index, ingest, scheduler, envoy, http, relay, routed)
         finally:
             await relay.close()
             await server.stop(0)
@@ -244,4 +271,11 @@ async def test_d_a_pod_without_metrics_leaves_and_comes_back():
         fresh = text(4, 400)
         await warm(s, 1, fresh)
         pod, _ = await s.via_gateway({"model": MODEL, "prompt": f"{fresh} c", "max_tokens": 2})
-        assert pod == 1
+        decision = await s.decision_for(f"{fresh} c")
+        explain, back = decision.explain, s.pod(1).http_address
+        # Pod 1 was a candidate again, credited with the prefix it alone holds...
+        assert explain[back]["hit_tokens"] > 0, explain
+        assert all(row["hit_tokens"] == 0 for a, row in explain.items() if a != back), explain
+        # ...and the request went where the picker sent it: normally pod 1, but a pod's
+        # learned speed, which this shared machine's load moves, can outweigh the prefix.
+        assert s.pod(pod).http_address == decision.endpoints[0].address, explain
