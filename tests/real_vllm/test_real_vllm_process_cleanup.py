@@ -26,6 +26,13 @@ def test_stop_process_group_ends_the_whole_tree_even_when_sigterm_is_ignored() -
     assert group_members(tree.pid) == []
 
 
+def _command_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
 @pytest.mark.skipif(not die_with_parent(), reason="setpriv (util-linux) is not installed")
 def test_process_started_by_a_killed_parent_dies_with_it(tmp_path: Path) -> None:
     pid_file = tmp_path / "child.pid"
@@ -38,6 +45,9 @@ def test_process_started_by_a_killed_parent_dies_with_it(tmp_path: Path) -> None
     parent = subprocess.Popen([sys.executable, "-c", parent_code])
     wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", what="the child")
     child = int(pid_file.read_text())
+    # setpriv asks for the signal just before it becomes `sleep`: a parent killed earlier
+    # would leave a child that never asked.
+    wait_until(lambda: _command_of(child) == "sleep", what="setpriv to exec the child")
     parent.kill()  # no handler, no atexit: only the parent-death signal can stop the child
     parent.wait()
 
