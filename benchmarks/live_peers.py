@@ -42,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -375,6 +376,7 @@ def run_once(
         per_pod = _delta(before, asyncio.run(pod_counters(pods.addresses)))
         cpu_after = [_cpu_seconds(pid) for pid in router_pids]
     summary = run_summary(results, per_pod, cfg.time_scale)
+    summary.update(group_placement(requests, results, pods.addresses))
     deltas = [
         a - b for a, b in zip(cpu_after, cpu_before, strict=True) if a is not None and b is not None
     ]
@@ -425,6 +427,27 @@ def run_summary(
         "requests_per_pod": [int(n) for n in served],
         "load_imbalance": max(served) / mean_served if mean_served else 0.0,
         "per_pod": per_pod,
+    }
+
+
+def group_placement(
+    requests: Sequence[TraceRequest], results: Sequence[RequestResult], pods: Sequence[str]
+) -> dict[str, Any]:
+    """Where each shared-prefix group went, from the pod each response named (the simulated
+    pods say so in `x-served-by`): a group's home is the pod that served most of it. Two
+    routers with the same hit rate can still differ here, and a pod holding more groups
+    than the others queues their requests."""
+    by_group: dict[str, Counter[str]] = {}
+    for r in results:
+        group = requests[r.index].group
+        if group is not None and r.pod is not None:
+            by_group.setdefault(group, Counter())[r.pod] += 1
+    if not by_group:
+        return {}
+    homes = Counter(pods_of.most_common(1)[0][0] for pods_of in by_group.values())
+    return {
+        "groups_per_pod": sorted((homes.get(pod, 0) for pod in pods), reverse=True),
+        "groups_on_several_pods": sum(1 for pods_of in by_group.values() if len(pods_of) > 1),
     }
 
 
@@ -549,6 +572,7 @@ def _run_line(router: str, load: float, rep: int, r: dict[str, Any], took: float
     return (
         f"{head} TTFT p50/p90/p99 {_ms(r['ttft_p50_s'])}/{_ms(r['ttft_p90_s'])}/"
         f"{_ms(r['ttft_p99_s'])} ms, pod hit {r['pod_prefix_hit_rate']:.1%}, "
+        f"groups per pod {'/'.join(map(str, r.get('groups_per_pod', [])))}, "
         f"failed {r['failed']} ({took:.0f}s)"
     )
 

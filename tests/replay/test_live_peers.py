@@ -26,6 +26,9 @@ def test_harness_runs_smart_epp_and_reports_missing_peers(monkeypatch: pytest.Mo
     # Fresh pods: their own counters saw exactly this run's 16 requests, and the second
     # and later prompts of each group found the group's 600-token system prompt cached.
     assert sum(run["requests_per_pod"]) == 16
+    # Each of the 2 groups has a home pod, read from the pods' x-served-by answers.
+    assert sum(run["groups_per_pod"]) == 2 and len(run["groups_per_pod"]) == 2
+    assert 0 <= run["groups_on_several_pods"] <= 2
     assert 0.5 < run["pod_prefix_hit_rate"] < 1.0
     assert block["routers"]["smart-epp"]["clean_runs"] == 1
     assert "not installed" in block["unavailable"]["vllm-router cache_aware"]
