@@ -15,18 +15,26 @@ def cpu_seconds(pid: int) -> float:
 
 def tree_cpu_seconds(pid: int) -> float:
     """CPU time of a process and of every live process below it (`epp serve --workers`:
-    the supervisor, its workers and their private store)."""
-    total = 0.0
-    pending = [pid]
+    the supervisor, its workers and their private store). Raises OSError, as
+    `cpu_seconds` does, once the process itself is gone; a child may end meanwhile."""
+    total = cpu_seconds(pid)
+    pending = _children(pid)
     while pending:
         current = pending.pop()
         try:
             total += cpu_seconds(current)
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending += [int(c) for c in (task / "children").read_text().split()]
+            pending += _children(current)
         except (FileNotFoundError, ProcessLookupError):
             continue
     return total
+
+
+def _children(pid: int) -> list[int]:
+    return [
+        int(child)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    ]
 
 
 __all__ = ["cpu_seconds", "tree_cpu_seconds"]

@@ -76,6 +76,7 @@ from .ttft_model import (
     Prior,
     Snapshot,
     TTFTLearner,
+    attention_pairs,
 )
 
 SCRATCH_KEY = "predicted-ttft-scorer"
@@ -464,7 +465,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
             for i, held in enumerate(hit_list):
                 extra = best_hit - held
                 if extra > 0:
-                    duplicated[i] = c1 * extra / TOKEN_UNIT + c2 * 0.5 * extra * extra / PAIR_UNIT
+                    dup_pairs = attention_pairs(extra, 0.0)
+                    duplicated[i] = c1 * extra / TOKEN_UNIT + c2 * dup_pairs / PAIR_UNIT
                     costs[i] += per_work * duplicated[i]
         if explain is not None:
             for pod, t, cost, dup in zip(pods, ttfts, costs, duplicated, strict=True):
