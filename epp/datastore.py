@@ -20,6 +20,10 @@ from ..framework.types import Endpoint, PodState
 log = logging.getLogger(__name__)
 
 EndpointListener = Callable[[Endpoint], None]
+# (requests, prompt tokens, prefilling, prefilling tokens, routed prefill seconds so far)
+OwnLoad = tuple[int, int, int, int, float]
+# (requests, prompt tokens, prefilling, prefilling tokens, prefill seconds routed per second)
+PeerLoad = tuple[int, int, int, int, float]
 
 
 class Datastore:
@@ -104,16 +108,23 @@ class Datastore:
     # ------------------------------------------------------------ in-flight accounting
 
     def book(
-        self, address: str, prompt_tokens: int, adapter: str | None, prefilling: bool = True
+        self,
+        address: str,
+        prompt_tokens: int,
+        adapter: str | None,
+        prefilling: bool = True,
+        prefill_s: float = 0.0,
     ) -> bool:
         """Counts one request in flight on `address` (still waiting for its first byte
-        unless `prefilling` is false); False when no such pod exists."""
+        unless `prefilling` is false) and the prefill seconds the policy predicted for it;
+        False when no such pod exists."""
         pod = self._pods.get(address)
         if pod is None:
             return False
         inflight = pod.inflight
         inflight.requests += 1
         inflight.prompt_tokens += prompt_tokens
+        inflight.routed_prefill_s += prefill_s
         if prefilling:
             inflight.prefilling += 1
             inflight.prefilling_tokens += prompt_tokens
@@ -159,26 +170,28 @@ class Datastore:
 
     # ------------------------------------------------------------ shared with peers
 
-    def own_load(self, address: str) -> tuple[int, int, int, int]:
-        """This picker's own (requests, prompt tokens, prefilling, prefilling tokens) on
-        `address`: the pod's counts minus what its peers reported."""
+    def own_load(self, address: str) -> OwnLoad:
+        """This picker's own (requests, prompt tokens, prefilling, prefilling tokens,
+        routed prefill seconds so far) on `address`: the pod's counts minus its peers'
+        share."""
         pod = self._pods.get(address)
         if pod is None:
-            return (0, 0, 0, 0)
+            return (0, 0, 0, 0, 0.0)
         i = pod.inflight
         return (
             max(0, i.requests - i.peer_requests),
             max(0, i.prompt_tokens - i.peer_prompt_tokens),
             max(0, i.prefilling - i.peer_prefilling),
             max(0, i.prefilling_tokens - i.peer_prefilling_tokens),
+            i.routed_prefill_s,
         )
 
-    def set_peer_loads(self, loads: Mapping[str, tuple[int, int, int, int]]) -> None:
+    def set_peer_loads(self, loads: Mapping[str, PeerLoad]) -> None:
         """Replaces what other pickers have in flight per pod (absent: nothing)."""
         for address, pod in self._pods.items():
             i = pod.inflight
-            requests, prompt_tokens, prefilling, prefilling_tokens = loads.get(
-                address, (0, 0, 0, 0)
+            requests, prompt_tokens, prefilling, prefilling_tokens, prefill_rate = loads.get(
+                address, (0, 0, 0, 0, 0.0)
             )
             own = self.own_load(address)
             i.requests = own[0] + requests
@@ -189,3 +202,4 @@ class Datastore:
             i.peer_prompt_tokens = prompt_tokens
             i.peer_prefilling = prefilling
             i.peer_prefilling_tokens = prefilling_tokens
+            i.peer_prefill_rate = prefill_rate

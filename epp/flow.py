@@ -214,7 +214,16 @@ class RequestFlow:
     def _book_on(self, flow: FlowRequest, address: str) -> None:
         tokens = flow.request.estimated_prompt_tokens()
         waiting_first_byte = flow.first_byte_at is None
-        if self.datastore.book(address, tokens, flow.request.adapter, waiting_first_byte):
+        decision = flow.decision
+        # The predicted prefill counts once, on the pod the policy predicted it for.
+        prefill_s = (
+            decision.predicted_prefill_s
+            if decision is not None and decision.endpoints[0].address == address
+            else 0.0
+        )
+        if self.datastore.book(
+            address, tokens, flow.request.adapter, waiting_first_byte, prefill_s
+        ):
             flow.served = address
             flow.booked_tokens = tokens
         else:  # an address outside the pool: nothing to account

@@ -87,12 +87,18 @@ class Inflight:
     # work this gateway has queued at the pod (estimated prompt tokens).
     prefilling: int = 0
     prefilling_tokens: int = 0
+    # Predicted prefill seconds this gateway routed to the pod since it started: a
+    # counter that only grows (peers read its rate through the shared pool state).
+    routed_prefill_s: float = 0.0
     # Of the counts above, the part other pickers sharing this pool reported (through
     # the shared pool state; 0 for a picker alone): the rest is this gateway's own.
     peer_requests: int = 0
     peer_prompt_tokens: int = 0
     peer_prefilling: int = 0
     peer_prefilling_tokens: int = 0
+    # Predicted prefill seconds per second other pickers routed to the pod, over the
+    # last second: their share of the pod's prefill utilisation.
+    peer_prefill_rate: float = 0.0
 
 
 @dataclass(slots=True)
@@ -179,6 +185,8 @@ class Decision:
     prompt_token_ids: list[int] | None = None
     # The chosen pod's predicted time to first token, when the policy predicts one.
     predicted_ttft_s: float | None = None
+    # The prefill work (seconds) the policy predicts this request puts on the chosen pod.
+    predicted_prefill_s: float = 0.0
     # The scheduler's own per-request state (its SchedulingContext), handed back to it
     # with the outcome, so no scheduler keeps a table of requests in flight.
     context: Any = None

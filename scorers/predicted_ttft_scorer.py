@@ -37,9 +37,10 @@ TTFT-only ranking falls into). The second term charges a pod for the prompt toke
 another candidate already holds (or is computing) and it would compute again, at the
 pool's cost shape: work the pool would not otherwise do, which at prefill utilisation
 rho delays the requests after it by about rho / (1 - rho) times its length (an M/M/1
-queue's wait per unit of work). rho is the predicted prefill of what this gateway routed
-in the last second, per candidate pod, capped at 0.95. An idle pool pays nothing for it;
-a saturated one follows its prefixes. Other terms were measured and rejected (README,
+queue's wait per unit of work). rho is the predicted prefill of what this gateway (and,
+with shared pool state, the other pickers) routed in the last second, per candidate pod,
+capped at 0.95. An idle pool pays nothing for it; a saturated one follows its prefixes.
+Other terms were measured and rejected (README,
 "Routing policies").
 
 vLLM always computes the prompt's last token, so a pod reuses at most
@@ -280,16 +281,22 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
         self._recent_prefill: deque[tuple[float, float]] = deque()
         self._recent_prefill_s = 0.0
 
-    def utilisation(self, now: float, candidates: int) -> float:
-        """Predicted prefill seconds this gateway routed in the last window, per second
-        and per candidate pod: the share of the pods' time that prefill work takes."""
+    def utilisation(self, now: float, pods: Sequence[PodState]) -> float:
+        """Predicted prefill seconds routed to the candidates in the last window, per
+        second and per candidate: the share of the pods' time that prefill work takes.
+        With shared pool state, what the other pickers routed counts too (each picker
+        decides only its share of the requests)."""
         recent = self._recent_prefill
         while recent and recent[0][0] <= now - UTILISATION_WINDOW_S:
             self._recent_prefill_s -= recent.popleft()[1]
-        if not recent or candidates <= 0:
+        if not recent:
             self._recent_prefill_s = 0.0
+        if not pods:
             return 0.0
-        busy = self._recent_prefill_s / (UTILISATION_WINDOW_S * candidates)
+        routed_s = self._recent_prefill_s
+        for pod in pods:
+            routed_s += pod.inflight.peer_prefill_rate * UTILISATION_WINDOW_S
+        busy = routed_s / (UTILISATION_WINDOW_S * len(pods))
         return min(MAX_UTILISATION, max(0.0, busy))
 
     def decode_s_per_token(self, address: str) -> float:
@@ -456,7 +463,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
         # Prompt tokens another candidate holds are work this pod would do again: valued
         # at the pool's cost shape (not the pod's speed factor, so that pods that merely
         # look faster are not favoured for it) and at the pool's utilisation.
-        rho = self.utilisation(now, len(pods))
+        rho = self.utilisation(now, pods)
         duplicated: list[float] = [0.0] * len(pods)
         if rho > 0 and hit_list:
             per_work = weight * rho / (1.0 - rho)
@@ -497,6 +504,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
         for i, pod in enumerate(pods):
             if pod.address == chosen:
                 decision.predicted_ttft_s = prediction.ttft_s[i]
+                decision.predicted_prefill_s = prediction.own[i][2]
                 return
 
     # ------------------------------------------------------------------ learning

@@ -39,16 +39,25 @@ class PodLoad:
     prompt_tokens: int = 0
     prefilling: int = 0  # of those, sent and not yet answered with a first byte
     prefilling_tokens: int = 0
+    # Predicted prefill seconds routed to the pod so far: a counter, whose rate the
+    # others read as this picker's share of the pool's prefill utilisation.
+    routed_prefill_s: float = 0.0
 
     def encode(self) -> str:
-        return f"{self.requests} {self.prompt_tokens} {self.prefilling} {self.prefilling_tokens}"
+        return (
+            f"{self.requests} {self.prompt_tokens} {self.prefilling} "
+            f"{self.prefilling_tokens} {self.routed_prefill_s:.6f}"
+        )
 
     @classmethod
     def decode(cls, text: str | bytes) -> PodLoad:
         if isinstance(text, bytes):
             text = text.decode()
-        requests, prompt_tokens, prefilling, prefilling_tokens = (int(v) for v in text.split())
-        return cls(requests, prompt_tokens, prefilling, prefilling_tokens)
+        fields = text.split()
+        requests, prompt_tokens, prefilling, prefilling_tokens = (int(v) for v in fields[:4])
+        # A picker of an earlier release writes four fields: no routed prefill.
+        routed_prefill_s = float(fields[4]) if len(fields) > 4 else 0.0
+        return cls(requests, prompt_tokens, prefilling, prefilling_tokens, routed_prefill_s)
 
     def __add__(self, other: PodLoad) -> PodLoad:
         return PodLoad(
@@ -56,11 +65,12 @@ class PodLoad:
             self.prompt_tokens + other.prompt_tokens,
             self.prefilling + other.prefilling,
             self.prefilling_tokens + other.prefilling_tokens,
+            self.routed_prefill_s + other.routed_prefill_s,
         )
 
     @property
     def empty(self) -> bool:
-        return not (self.requests or self.prompt_tokens or self.prefilling)
+        return not (self.requests or self.prompt_tokens or self.prefilling or self.routed_prefill_s)
 
 
 @dataclass(frozen=True, slots=True)

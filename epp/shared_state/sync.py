@@ -30,7 +30,7 @@ import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -50,6 +50,9 @@ DEFAULT_READ_BUDGET_S = 0.001
 DEFAULT_TIMEOUT_S = 0.5
 DEFAULT_RETRY_S = 0.5
 MAX_OUTBOX = 10_000
+# Peers' routed prefill is read as a rate over this window, the window over which the
+# predicted-TTFT scorer counts its own (UTILISATION_WINDOW_S), so the two add up.
+PEER_RATE_WINDOW_S = 1.0
 
 
 def new_picker_id() -> str:
@@ -101,6 +104,32 @@ class SharedStateMetrics:
         )
 
 
+class CounterRates:
+    """Rates of counters read at each exchange (per pod: the peers' summed routed
+    prefill seconds), over the last `window_s`."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._samples: dict[str, deque[tuple[float, float]]] = {}
+
+    def update(self, now: float, totals: Mapping[str, float]) -> dict[str, float]:
+        for key in self._samples.keys() - totals.keys():
+            del self._samples[key]
+        rates: dict[str, float] = {}
+        for key, total in totals.items():
+            samples = self._samples.setdefault(key, deque())
+            if samples and total < samples[-1][1]:
+                # A peer left or restarted and its counter left the sum: start over.
+                samples.clear()
+            samples.append((now, total))
+            while len(samples) > 1 and samples[1][0] <= now - self.window_s:
+                samples.popleft()
+            since, base = samples[0]
+            # Over at least a whole window: a first sample moments old gives no spike.
+            rates[key] = (total - base) / max(now - since, self.window_s)
+        return rates
+
+
 class SharedPoolState:
     """Connects one picker's datastore and block index to a `PoolStateStore`."""
 
@@ -143,6 +172,7 @@ class SharedPoolState:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._peer_pods: set[str] = set()
+        self._peer_prefill = CounterRates(PEER_RATE_WINDOW_S)
         datastore.on_change = self._load_changed
 
     # ------------------------------------------------------------------ decision path
@@ -270,9 +300,18 @@ class SharedPoolState:
         return True
 
     def _apply(self, view: PeerView) -> None:
+        prefill_rates = self._peer_prefill.update(
+            time.monotonic(), {pod: load.routed_prefill_s for pod, load in view.loads.items()}
+        )
         self.datastore.set_peer_loads(
             {
-                pod: (load.requests, load.prompt_tokens, load.prefilling, load.prefilling_tokens)
+                pod: (
+                    load.requests,
+                    load.prompt_tokens,
+                    load.prefilling,
+                    load.prefilling_tokens,
+                    prefill_rates[pod],
+                )
                 for pod, load in view.loads.items()
             }
         )
@@ -301,6 +340,7 @@ class SharedPoolState:
         self.metrics.up.set(0)
         self.metrics.transitions.labels("down").inc()
         self.datastore.set_peer_loads({})  # nothing refreshes them any more
+        self._peer_prefill = CounterRates(PEER_RATE_WINDOW_S)
         self.metrics.peers.set(0)
         log.warning(
             "shared pool state unreachable (%s); routing on this picker's own state until "

@@ -249,6 +249,25 @@ def test_a_busy_pool_waits_for_a_held_prefix_instead_of_computing_it_again():
     assert address == "a:1"
 
 
+def test_prefill_other_pickers_routed_counts_toward_the_pools_utilisation():
+    """The same choice as above when this picker routed nothing itself and its peers
+    (shared pool state) routed 1.23 s of prefill per second to the two candidates: each
+    picker decides only its share of the pool's requests, so its own count alone would
+    leave a saturated pool looking idle."""
+    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0, meanPromptTokens=1024)
+    pods = [pod("a:1", waiting=2), pod("b:1")]
+    c = ctx(2000, hits={"a:1": PrefixHit(blocks=124)}, now=100.0)
+    c.block_sizes = {"a:1": 16, "b:1": 16}
+    assert s.score(c, pods)[1] == 1.0  # no peer load: b computes the prefix again
+    pods[0].inflight.peer_prefill_rate = 0.8
+    pods[1].inflight.peer_prefill_rate = 0.43
+    c = ctx(2000, hits={"a:1": PrefixHit(blocks=124)}, now=100.0)
+    c.block_sizes = {"a:1": 16, "b:1": 16}
+    scores = s.score(c, pods)
+    assert c.components["b:1"]["utilisation"] == pytest.approx(1.23 / 2)
+    assert scores[0] == 1.0
+
+
 def test_with_the_cached_pod_overloaded_a_request_goes_elsewhere():
     s = scorer(meanPromptTokens=4000)
     pods = [pod("a:1"), pod("b:1", waiting=30, running=20), pod("c:1")]

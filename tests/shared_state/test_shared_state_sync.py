@@ -16,7 +16,7 @@ from support.redis_server import RedisServer, redis_server_fixture
 from smart_epp.epp.datastore import Datastore
 from smart_epp.epp.shared_state.redis_store import RedisPoolStore
 from smart_epp.epp.shared_state.store import LocalPoolStore, PoolStateStore
-from smart_epp.epp.shared_state.sync import PublishingIndex, SharedPoolState
+from smart_epp.epp.shared_state.sync import CounterRates, PublishingIndex, SharedPoolState
 from smart_epp.framework.types import Endpoint
 from smart_epp.kv_index.memory import MemoryBlockIndex
 
@@ -72,7 +72,7 @@ async def test_a_booking_on_one_picker_shows_in_the_others_counts(
     await async_wait_until(lambda: seen.inflight.requests == 3, 5, "b seeing a's bookings")
     assert (seen.inflight.peer_requests, seen.inflight.peer_prefilling_tokens) == (2, 800)
     assert seen.inflight.prompt_tokens == 900
-    assert b.datastore.own_load(PODS[0]) == (1, 100, 1, 100)
+    assert b.datastore.own_load(PODS[0]) == (1, 100, 1, 100, 0.0)
     assert b.metric("smart_epp_shared_state_peer_inflight_requests", pod=PODS[0]) == 2
 
     a.datastore.prefilled(PODS[0], 500)
@@ -82,6 +82,39 @@ async def test_a_booking_on_one_picker_shows_in_the_others_counts(
     a.datastore.release(PODS[0], 300, None, prefilling=True)
     await async_wait_until(lambda: seen.inflight.peer_requests == 0, 5, "a's load gone")
     assert seen.inflight.requests == 1  # b's own booking is untouched
+
+
+async def test_prefill_one_picker_routes_reaches_the_other_as_a_rate(
+    local_pickers: tuple[Picker, Picker],
+) -> None:
+    a, b = local_pickers
+    seen = b.datastore.get(PODS[0])
+    assert seen is not None
+    a.datastore.book(PODS[0], 100, None, prefill_s=5.0)
+    # A counter first seen says nothing of when it grew: no rate yet.
+    await async_wait_until(lambda: seen.inflight.peer_requests == 1, 5, "b seeing a")
+    assert seen.inflight.peer_prefill_rate == 0.0
+    a.datastore.book(PODS[0], 100, None, prefill_s=0.3)
+    a.datastore.book(PODS[0], 100, None, prefill_s=0.3)
+    await async_wait_until(lambda: seen.inflight.peer_requests == 3, 5, "b seeing a's rate")
+    # 0.6 s of prefill routed: read over at least the one-second window (longer when an
+    # exchange came late), so at most 0.6 per second.
+    assert 0.4 < seen.inflight.peer_prefill_rate <= 0.6 + 1e-9
+    assert b.datastore.own_load(PODS[0])[4] == 0.0  # b itself routed none
+    assert a.datastore.own_load(PODS[0])[4] == pytest.approx(5.6)
+    # Once a routes nothing for a window, the rate falls back to 0.
+    await async_wait_until(lambda: seen.inflight.peer_prefill_rate == 0.0, 5, "rate decays")
+
+
+def test_counter_rates_read_a_window_and_restart_when_a_counter_shrinks() -> None:
+    rates = CounterRates(window_s=1.0)
+    assert rates.update(0.0, {"p": 10.0}) == {"p": 0.0}
+    assert rates.update(0.5, {"p": 10.5}) == {"p": pytest.approx(0.5)}  # over a whole window
+    assert rates.update(2.0, {"p": 12.5}) == {"p": pytest.approx(2.0 / 1.5)}
+    assert rates.update(3.0, {"p": 14.5}) == {"p": pytest.approx(2.0)}
+    assert rates.update(3.5, {"p": 1.0}) == {"p": 0.0}  # a peer left: its count went
+    assert rates.update(4.0, {}) == {}
+    assert rates.update(4.5, {"p": 3.0}) == {"p": 0.0}  # forgotten while absent
 
 
 async def test_a_prefix_routed_by_one_picker_is_held_on_the_other(
