@@ -416,9 +416,11 @@ def detect_format(path: Path) -> TraceFormat:
         return "shared-prefix"
     with path.open() as f:
         head = f.read(4096).lstrip()
-    if head.startswith("["):
-        return "sharegpt"
-    first = head.splitlines()[0] if head else ""
+        if head.startswith("["):
+            return "sharegpt"  # one JSON document, possibly a single huge line
+        # A JSON-lines row holding prompt token ids runs past any fixed prefix: read it whole.
+        f.seek(0)
+        first = next((line for line in f if line.strip()), "")
     try:
         row = json.loads(first)
     except json.JSONDecodeError:

@@ -178,6 +178,14 @@ def test_shared_prefix_yaml_accepts_inference_perf_layout(tmp_path: Path) -> Non
         load_trace(path)
 
 
+def test_a_recorded_trace_whose_first_row_is_long_is_still_recognised(tmp_path: Path) -> None:
+    ids = list(range(100_000, 102_000))  # ~14 kB of token ids on the first line
+    path = tmp_path / "long.jsonl"
+    path.write_text("\n" + recorded_line(0.0, "m", len(ids), 8, prompt_token_ids=ids) + "\n")
+    assert detect_format(path) == "recorded"
+    assert load_trace(path)[0].token_ids() == ids
+
+
 def test_recorded_round_trip_keeps_content_when_given(tmp_path: Path) -> None:
     lines = [
         recorded_line(100.0, "m", 4, 10, prompt_token_ids=[5, 6, 7, 8]),
