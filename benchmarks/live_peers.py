@@ -375,7 +375,10 @@ def run_once(
         )
         per_pod = _delta(before, asyncio.run(pod_counters(pods.addresses)))
         cpu_after = [_cpu_seconds(pid) for pid in router_pids]
+        learned = asyncio.run(learned_costs(group))
     summary = run_summary(results, per_pod, cfg.time_scale)
+    if learned:
+        summary["learned_cold_ttft_s"] = learned
     summary.update(group_placement(requests, results, pods.addresses))
     deltas = [
         a - b for a, b in zip(cpu_after, cpu_before, strict=True) if a is not None and b is not None
@@ -384,6 +387,43 @@ def run_once(
         # The router's own processes (epp and Envoy for smart-epp), not the pods or client.
         summary["router_cpu_ms_per_request"] = 1000 * sum(deltas) / len(requests)
     return {"ok": True, **summary}
+
+
+LEARNED_SERIES = "smart_epp_pod_learned_cold_ttft_seconds"
+
+
+async def learned_costs(group: ProcessGroup) -> dict[str, dict[str, float]]:
+    """Each `epp serve`'s learned cold-prompt TTFT per pod (picker name -> pod -> s), read
+    from its /metrics: with several replicas, how far apart their independent learning is."""
+    out: dict[str, dict[str, float]] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        for managed in group.processes:
+            argv = [str(a) for a in managed.process.args]
+            if "serve" not in argv or "--metrics-port" not in argv:
+                continue
+            port = argv[argv.index("--metrics-port") + 1]
+            async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                page = await resp.text()
+            pods: dict[str, float] = {}
+            for line in page.splitlines():
+                if line.startswith(LEARNED_SERIES + "{"):
+                    labels, _, value = line.rpartition(" ")
+                    pod = labels.split('pod="', 1)[1].split('"', 1)[0]
+                    pods[pod] = float(value)
+            out[managed.name] = pods
+    return out
+
+
+def learned_spread(learned: dict[str, dict[str, float]]) -> float | None:
+    """The largest max/min ratio over pods of the pickers' learned cold TTFT (1 = all
+    pickers learned the same cost for every pod)."""
+    ratios = []
+    pods = set().union(*(p.keys() for p in learned.values())) if learned else set()
+    for pod in pods:
+        values = [p[pod] for p in learned.values() if pod in p and p[pod] > 0]
+        if len(values) > 1:
+            ratios.append(max(values) / min(values))
+    return max(ratios) if ratios else None
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -569,11 +609,13 @@ def _run_line(router: str, load: float, rep: int, r: dict[str, Any], took: float
     head = f"load {load:g} repeat {rep} {router:<26}"
     if not r["ok"]:
         return f"{head} unavailable: {r['reason'].splitlines()[0]}"
+    spread = learned_spread(r.get("learned_cold_ttft_s", {}))
     return (
         f"{head} TTFT p50/p90/p99 {_ms(r['ttft_p50_s'])}/{_ms(r['ttft_p90_s'])}/"
         f"{_ms(r['ttft_p99_s'])} ms, pod hit {r['pod_prefix_hit_rate']:.1%}, "
         f"groups per pod {'/'.join(map(str, r.get('groups_per_pod', [])))}, "
         f"failed {r['failed']} ({took:.0f}s)"
+        + (f", learned cold TTFT spread over pickers {spread:.2f}x" if spread else "")
     )
 
 

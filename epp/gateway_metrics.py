@@ -105,6 +105,33 @@ class ObjectiveMetrics:
 _OBJECTIVE_CACHE_LIMIT = 10_000
 
 
+# The reference prompt of smart_epp_pod_learned_cold_ttft_seconds.
+LEARNED_TTFT_REFERENCE_TOKENS = 1024
+
+
+class LearnedCosts(Collector):
+    """`smart_epp_pod_learned_cold_ttft_seconds{pod}`: what each cost-learning plugin
+    predicts for a 1,024-token prompt nothing holds on an idle pod, read at scrape time."""
+
+    def __init__(self, plugins: Callable[[], Sequence[Any]]) -> None:
+        self.plugins = plugins
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "smart_epp_pod_learned_cold_ttft_seconds",
+            f"Learned time to first token of a {LEARNED_TTFT_REFERENCE_TOKENS}-token prompt "
+            "that no pod holds, on the idle pod, by the plugin that learned it",
+            labels=("pod", "plugin"),
+        )
+        for plugin in self.plugins():
+            learned = getattr(plugin, "learned_cold_ttft", None)
+            if learned is None:
+                continue
+            for pod, seconds in sorted(learned(LEARNED_TTFT_REFERENCE_TOKENS).items()):
+                family.add_metric((pod, plugin.name), seconds)
+        yield family
+
+
 class GatewayMetrics:
     def __init__(
         self,

@@ -48,7 +48,7 @@ from .flowcontrol.objectives import (
     ObjectiveTable,
     parse_objectives,
 )
-from .gateway_metrics import GatewayMetrics
+from .gateway_metrics import GatewayMetrics, LearnedCosts
 from .k8s_discovery import (
     KubernetesDiscoveryOptions,
     KubernetesPoolWatcher,
@@ -272,6 +272,7 @@ async def serve(
         record_e2e=False,  # the server times the whole scheduling call under that name
         fallbacks=options.fallbacks,
     )
+    metrics.registry.register(LearnedCosts(lambda: list(scheduler.plugins.plugins.values())))
     events: KVEventManager | None = None
     if options.kv_events_mode != "off":
         events = KVEventManager(

@@ -299,6 +299,16 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
         busy = routed_s / (UTILISATION_WINDOW_S * len(pods))
         return min(MAX_UTILISATION, max(0.0, busy))
 
+    def learned_cold_ttft(self, prompt_tokens: int) -> dict[str, float]:
+        """Per pod that has answered: the TTFT the learned model predicts for a prompt of
+        `prompt_tokens` that nothing holds, on an idle pod (what operators compare
+        across pods and across replicas, which learn independently)."""
+        pairs = attention_pairs(float(prompt_tokens), 0.0)
+        return {
+            address: self.learner.predict(address, float(prompt_tokens), pairs, 0.0)
+            for address in self.learner.pods
+        }
+
     def decode_s_per_token(self, address: str) -> float:
         model = self.pods.get(address)
         if model is not None and model.decode_s_per_token is not None:

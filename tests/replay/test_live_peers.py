@@ -47,6 +47,18 @@ def test_three_replicas_sharing_one_store_serve_the_workload_through_one_envoy()
     # decided: the replicas see the same pods' KV events and each other's routings.
     assert 0.5 < run["pod_prefix_hit_rate"] < 1.0
     assert run["router_cpu_ms_per_request"] > 0
+    # Each replica's learned costs are read back from its /metrics.
+    learned = run["learned_cold_ttft_s"]
+    assert set(learned) == {"epp0", "epp1", "epp2"}
+    assert any(learned.values()) and all(
+        0 < seconds < 10 for pods in learned.values() for seconds in pods.values()
+    )
+
+
+def test_learned_spread_is_the_widest_disagreement_over_pods():
+    learned = {"epp0": {"a": 0.10, "b": 0.20}, "epp1": {"a": 0.12, "b": 0.30}, "epp2": {}}
+    assert live_peers.learned_spread(learned) == pytest.approx(1.5)
+    assert live_peers.learned_spread({"epp0": {"a": 0.1}}) is None
 
 
 def _run(p90: float, ok: bool = True) -> dict:

@@ -188,6 +188,21 @@ def test_the_scorer_learns_a_pods_speed_from_its_answers():
     assert c.components["a:1"]["ttft_s"] == pytest.approx(expected, rel=0.1)
 
 
+def test_learned_cold_ttft_reports_each_answered_pods_learned_cost():
+    """What the metric shows: per pod that answered, the learned TTFT of a cold prompt."""
+    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0)
+    fast, slow = pod("a:1"), pod("b:1")
+    assert s.learned_cold_ttft(1024) == {}
+    rng = random.Random(3)
+    for i in range(60):
+        n = rng.randint(500, 4000)
+        answer(s, fast, n, ttft=50e-6 * n, now=100.0 + 30 * i)
+        answer(s, slow, n, ttft=150e-6 * n, now=101.0 + 30 * i)
+    learned = s.learned_cold_ttft(1024)
+    assert learned["a:1"] == pytest.approx(50e-6 * 1024, rel=0.2)
+    assert learned["b:1"] == pytest.approx(150e-6 * 1024, rel=0.2)
+
+
 def test_cached_tokens_reported_by_the_pod_win_over_the_index_guess():
     """A pod that served 900 of 1000 tokens from cache answered in 10 ms: learned as 100
     tokens of prefill (0.1 ms/token), not as 1000 tokens (0.01 ms/token)."""

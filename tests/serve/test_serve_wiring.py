@@ -162,7 +162,16 @@ async def test_d_gateway_metrics_and_debug_explain_line(tmp_path: Path) -> None:
                 for n in range(3):
                     await gw.via_gateway({"model": MODEL, "prompt": text(9 + n, 100),
                                           "max_tokens": 2})  # fmt: skip
+                learned = 'smart_epp_pod_learned_cold_ttft_seconds{plugin="predicted-ttft-scorer"'
+
+                async def costs_learned() -> bool:
+                    return learned in await gw.metrics()
+
+                # Learned from the answers' access-log records, which trail the responses.
+                await async_wait_until(costs_learned, 10, "learned costs in /metrics")
                 page = await gw.metrics()
+        assert 0 < sample(page, "smart_epp_pod_learned_cold_ttft_seconds",
+                          pod=address, plugin="predicted-ttft-scorer") < 5  # fmt: skip
         # Scheduler: per-plugin timings (and the e2e histogram exactly once).
         assert sample(page, "inference_extension_plugin_duration_seconds_count",
                       plugin_type="predicted-ttft-scorer") >= 3  # fmt: skip
