@@ -330,6 +330,11 @@ def stop_process_group(process: subprocess.Popen[bytes], grace_s: float) -> None
         os.killpg(pgid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=5)
+    # SIGKILL is delivered when each member is next scheduled: on a busy machine an
+    # orphaned child can still be listed for a moment after the parent was reaped.
+    deadline = time.monotonic() + 5
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 _LIVE: set[VllmPod] = set()
