@@ -273,6 +273,8 @@ async def serve(
         fallbacks=options.fallbacks,
     )
     metrics.registry.register(LearnedCosts(lambda: list(scheduler.plugins.plugins.values())))
+    if shared is not None:
+        shared.share_learning(lambda: scheduler.plugins.plugins.values())
     events: KVEventManager | None = None
     if options.kv_events_mode != "off":
         events = KVEventManager(

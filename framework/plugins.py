@@ -119,6 +119,31 @@ class OutcomeHook(ABC):
         """The request of `ctx` ended (normally, with an error, or on client reset)."""
 
 
+@dataclass(frozen=True, slots=True)
+class LearnedSample:
+    """One answer a plugin learned from, in plain values, so that the instance of the same
+    plugin (by name) in another picker can learn from it too."""
+
+    plugin: str
+    pod: str
+    values: tuple[float, ...]
+
+
+class SharedLearning(ABC):
+    """Opt-in: a plugin whose learning is shared by the pickers of one pool (shared pool state).
+    Each picker hands on the answers its instance learned from and feeds its peers'
+    answers to its own, so that every picker learns from every answer, not a share."""
+
+    @abstractmethod
+    def take_learned(self) -> list[LearnedSample]:
+        """The samples learned from since the last call (a bounded backlog)."""
+
+    @abstractmethod
+    def learn_from_peers(self, samples: Sequence[LearnedSample]) -> None:
+        """Samples other pickers' instances of this plugin learned from; malformed ones
+        are counted and ignored."""
+
+
 class DecisionHook(ABC):
     """Opt-in: a plugin that adds to the decision once the picker has chosen (headers for
     the request or the response, the address Envoy dials)."""

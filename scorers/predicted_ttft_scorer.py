@@ -51,6 +51,7 @@ Score = min_cost / cost, so the best pod scores 1 and the plugin mixes with othe
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -59,11 +60,13 @@ from pydantic import Field
 
 from ..framework.plugins import (
     DecisionHook,
+    LearnedSample,
     OutcomeHook,
     PluginParams,
     RoutingHook,
     SchedulingContext,
     Scorer,
+    SharedLearning,
 )
 from ..framework.registry import register_plugin
 from ..framework.types import SLO_TTFT_HEADER, Decision, Outcome, PodState
@@ -88,6 +91,15 @@ MAX_UTILISATION = 0.95
 # Utilisation is the predicted prefill routed over this window: long enough to average a
 # few requests' arrivals, short enough to follow a load change within a second.
 UTILISATION_WINDOW_S = 1.0
+# Answers kept for other pickers (shared pool state) between two exchanges with them; an
+# exchange every 20 ms takes them long before this many arrive.
+MAX_SHARED_SAMPLES = 4096
+# A shared sample: TTFT, prompt tokens, cached tokens, and what was ahead on the pod
+# (tokens, attention pairs, running requests).
+SAMPLE_FIELDS = 6
+# Far below any difference predictions resolve (a million tokens: a microsecond), so it
+# only orders pods whose prices are otherwise equal.
+TIE_BREAK_S_PER_TOKEN = 1e-12
 
 
 class PredictedTTFTParams(PluginParams):
@@ -252,7 +264,7 @@ def reusable_tokens(prompt_tokens: int, held_blocks: int, block_size: int) -> in
 
 
 @register_plugin()
-class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
+class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, SharedLearning):
     type_name = "predicted-ttft-scorer"
     Params = PredictedTTFTParams
     params: PredictedTTFTParams
@@ -280,6 +292,9 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
         # (routed at, predicted prefill seconds) of the last UTILISATION_WINDOW_S.
         self._recent_prefill: deque[tuple[float, float]] = deque()
         self._recent_prefill_s = 0.0
+        # Answers learned from, for the other pickers of the pool (take_learned).
+        self._to_share: deque[LearnedSample] = deque(maxlen=MAX_SHARED_SAMPLES)
+        self.rejected_samples = 0
 
     def utilisation(self, now: float, pods: Sequence[PodState]) -> float:
         """Predicted prefill seconds routed to the candidates in the last window, per
@@ -350,6 +365,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
         speeds = learner.pods
         pool_c0, pool_c1, pool_c2, pool_c3 = learner.pool.c
         typical = learner.typical_scale()
+        center = learner.center_log_scale
         learnable_list: list[bool] = []
         for pod in pods:
             address = pod.endpoint.address
@@ -357,7 +373,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
             ok = m.scraped_at == 0.0 or now - m.scraped_at <= stale_after
             model = models.get(address)
             speed = speeds.get(address)
-            k = speed.scale if speed is not None else typical
+            k = math.exp(speed.credible_log_scale(center)) if speed is not None else typical
             c0, c1, c2, c3 = k * pool_c0, k * pool_c1, k * pool_c2, k * pool_c3
             hit_tokens = 0.0
             cpu_s = 0.0
@@ -491,6 +507,13 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
                 row["congestion_s"] = cost - t
                 row["duplicated_s"] = dup
                 row["utilisation"] = rho
+        if hit_list:
+            # Pods priced alike go to the one holding most of the prompt: the fit can find
+            # prefill too cheap to tell them apart (answers dominated by fixed cost), and the
+            # pod that computes least is the one such a price would have missed.
+            best_hit = max(hit_list)
+            for i, held in enumerate(hit_list):
+                costs[i] += TIE_BREAK_S_PER_TOKEN * (best_hit - held)
         prediction = Prediction(ttfts, costs, hit_list, own_list, ahead_list, learnable_list, keys)
         ctx.scratch[SCRATCH_KEY] = (pods, prediction)
         return prediction
@@ -599,3 +622,35 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook):
     ) -> None:
         """One measured TTFT for the learner: plain values, whatever path they came from."""
         self.learner.observe(address, ttft_s, prompt_tokens, cached_tokens, ahead)
+        self._to_share.append(
+            LearnedSample(
+                self.name,
+                address,
+                (
+                    ttft_s,
+                    float(prompt_tokens),
+                    float(cached_tokens),
+                    ahead.tokens_ahead,
+                    ahead.pairs_ahead,
+                    ahead.running,
+                ),
+            )
+        )
+
+    def take_learned(self) -> list[LearnedSample]:
+        taken = list(self._to_share)
+        self._to_share.clear()
+        return taken
+
+    def learn_from_peers(self, samples: Sequence[LearnedSample]) -> None:
+        """Other pickers' answers teach this learner as its own do: every picker then
+        fits the pool's cost shape and each pod's speed from all of the pool's answers,
+        so replicas price pods alike instead of each from its third of them."""
+        for sample in samples:
+            values = sample.values
+            if len(values) != SAMPLE_FIELDS or not all(math.isfinite(v) and v >= 0 for v in values):
+                self.rejected_samples += 1
+                continue
+            ttft_s, prompt, cached, tokens_ahead, pairs_ahead, running = values
+            ahead = Snapshot(tokens_ahead, pairs_ahead, running)
+            self.learner.observe(sample.pod, ttft_s, int(prompt), int(cached), ahead)

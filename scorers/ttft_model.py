@@ -29,6 +29,7 @@ Pure: no clock, no I/O; time arrives as arguments.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 TOKEN_UNIT = 1e3  # features in thousands of tokens ...
@@ -262,11 +263,33 @@ class Snapshot:
 @dataclass(slots=True)
 class PodSpeed:
     """How much slower (> 1) or faster (< 1) one pod answers than the pool's cost shape
-    predicts: a running mean of log(measured / predicted)."""
+    predicts: a running mean of log(measured / predicted), and how noisy that mean is."""
 
     log_scale: float = 0.0
     samples: int = 0
     scale: float = 1.0
+    # Running mean of log(measured / predicted)^2: the spread of single answers.
+    log_var: float = 0.0
+
+    def mean_variance(self) -> float:
+        """Variance of `log_scale` as an estimate: the answers' spread over the number
+        of answers the running mean effectively averages (n at first, then
+        (2 - SPEED_RATE) / SPEED_RATE, about 24)."""
+        if self.samples == 0:
+            return math.inf
+        return self.log_var * max(SPEED_RATE / (2.0 - SPEED_RATE), 1.0 / self.samples)
+
+    def credible_log_scale(self, pool_log_scale: float) -> float:
+        """The factor's distance from the pool's, shrunk by its own noise (positive-part
+        James-Stein): a difference within one standard error is taken as none. Identical
+        pods then rank alike instead of by whose recent answers happened to queue less,
+        which sent every new prefix to the luckiest of them; a pod that is really slower
+        (a difference well beyond its noise) keeps nearly all of it."""
+        gap = self.log_scale - pool_log_scale
+        noise = self.mean_variance()
+        if gap * gap <= noise:
+            return pool_log_scale
+        return pool_log_scale + gap * (1.0 - noise / (gap * gap))
 
 
 # How far one answer moves a pod's speed factor once it has a few, and the largest ratio an
@@ -297,6 +320,8 @@ class TTFTLearner:
         self.pool = LinearTTFT.from_prior(prior, forgetting)
         self.pods: dict[str, PodSpeed] = {}
         self._log_scale_sum = 0.0
+        # The factor most pods share (median of the log factors), updated per answer.
+        self.center_log_scale = 0.0
 
     def typical_scale(self) -> float:
         """A pod not heard from yet is taken to run like the pods that were: the pool's
@@ -304,8 +329,12 @@ class TTFTLearner:
         return math.exp(self._log_scale_sum / len(self.pods)) if self.pods else 1.0
 
     def scale(self, address: str) -> float:
+        """The pod's factor as predictions use it: its learned factor, less what its
+        answers' noise accounts for."""
         speed = self.pods.get(address)
-        return speed.scale if speed is not None else self.typical_scale()
+        if speed is None:
+            return self.typical_scale()
+        return math.exp(speed.credible_log_scale(self.center_log_scale))
 
     def predict(self, address: str, tokens: float, pairs: float, running: float) -> float:
         return self.scale(address) * self.pool.predict(tokens, pairs, running)
@@ -347,11 +376,15 @@ class TTFTLearner:
                 # as at most SPEED_RATIO_LIMIT off, for the factor and for the shape.
                 ratio = min(SPEED_RATIO_LIMIT, max(1.0 / SPEED_RATIO_LIMIT, ratio))
                 ttft_s = ratio * before * predicted
-            step = rate * math.log(ratio)
+            log_ratio = math.log(ratio)
+            step = rate * log_ratio
+            spread_rate = max(SPEED_RATE, 1.0 / (speed.samples + 1))
+            speed.log_var += spread_rate * (log_ratio * log_ratio - speed.log_var)
             speed.log_scale += step
             self._log_scale_sum += step
             speed.scale = math.exp(speed.log_scale)
         speed.samples += 1
+        self.center_log_scale = statistics.median(p.log_scale for p in self.pods.values())
         # The pool learns the shape in the pool's own units: this pod's answer as if it
         # ran at the pool's speed.
         self.pool.observe(ttft_s / speed.scale, tokens, pairs, ahead.running)

@@ -6,14 +6,17 @@ Layout, all under one hash tag so a cluster keeps it in one slot:
     {prefix}:load:<picker>  hash: pod -> "requests prompt_tokens prefilling prefilling_tokens"
     {prefix}:routed         stream: picker, pod, ttl_ms, packed block keys (MAXLEN ~ N,
                             and trimmed to the longest ttl by id, ids being server ms)
+    {prefix}:learned        stream: picker, one batch of learned-from answers per exchange
+                            that has any (JSON; MAXLEN ~ N batches)
     {prefix}:epoch          a random token set once: a new one means the store was
                             emptied (restarted) and every picker writes its table again
 
 One Lua script does a whole exchange, so it is atomic and costs one round trip: it
 writes this picker's changed loads, refreshes its expiry, drops pickers past theirs,
-appends its routed entries, and returns the other pickers' loads and the routed entries
-appended since this picker's cursor. Expiry runs on the server's clock (TIME), so
-pickers on different hosts need no synchronised clocks.
+appends its routed entries and learned answers, and returns the other pickers' loads
+and the routed entries and learned answers appended since this picker's cursors. Expiry
+runs on the server's clock (TIME), so pickers on different hosts need no synchronised
+clocks.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from .store import (
+    DEFAULT_MAX_LEARNED,
     DEFAULT_MAX_READ,
     DEFAULT_MAX_ROUTED_ENTRIES,
     DEFAULT_PICKER_TTL_S,
@@ -31,12 +35,14 @@ from .store import (
     PickerUpdate,
     PodLoad,
     RoutedEntry,
+    decode_learned,
+    encode_learned,
 )
 
 _EXCHANGE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local pickers, own, routed, epoch_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local pickers, own, routed, epoch_key, learned = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local me, load_prefix, cursor = ARGV[1], ARGV[2], ARGV[3]
 local ttl, max_read, max_entries = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local max_routed_ttl = tonumber(ARGV[7])
@@ -46,7 +52,9 @@ if not epoch then
   epoch = ARGV[10]
   redis.call('SET', epoch_key, epoch)
 end
-local i = 11
+local learned_cursor, batch = ARGV[11], ARGV[12]
+local max_learned = tonumber(ARGV[13])
+local i = 14
 if replace == '1' then redis.call('DEL', own) end
 for _ = 1, nloads do
   if ARGV[i + 1] == '' then
@@ -71,6 +79,10 @@ if added then
   redis.call('XTRIM', routed, 'MINID', '~', now - max_routed_ttl)
   redis.call('PEXPIRE', routed, max_routed_ttl + ttl)
 end
+if batch ~= '' then
+  redis.call('XADD', learned, 'MAXLEN', '~', max_learned, '*', 'p', me, 'd', batch)
+end
+redis.call('PEXPIRE', learned, ttl + 60000)
 redis.call('PEXPIRE', epoch_key, math.max(ttl, max_routed_ttl) + 60000)
 local loads = {}
 for _, id in ipairs(redis.call('ZRANGE', pickers, 0, -1)) do
@@ -101,7 +113,15 @@ for _, entry in ipairs(entries) do
     end
   end
 end
-return {epoch, last, loads, out}
+local batches = {}
+local learned_last = learned_cursor
+local from = '-'
+if learned_cursor ~= '' then from = '(' .. learned_cursor end
+for _, entry in ipairs(redis.call('XRANGE', learned, from, '+', 'COUNT', max_read)) do
+  learned_last = entry[1]
+  if entry[2][2] ~= me then batches[#batches + 1] = entry[2][4] end
+end
+return {epoch, last, loads, out, learned_last, batches}
 """
 
 
@@ -117,6 +137,7 @@ class RedisPoolStore:
         max_entries: int = DEFAULT_MAX_ROUTED_ENTRIES,
         max_read: int = DEFAULT_MAX_READ,
         max_routed_ttl_s: float = 10.0,
+        max_learned: int = DEFAULT_MAX_LEARNED,
     ) -> None:
         self.client = client
         self.prefix = prefix
@@ -127,6 +148,9 @@ class RedisPoolStore:
         self._script = client.register_script(_EXCHANGE)
         self._keys_prefix = f"{prefix}:load:"
         self._cursor = ""
+        self._learned_cursor = ""
+        # Batches of learned answers: one per exchange, a few answers each.
+        self.max_learned_batches = max(1, max_learned // 4)
         self._epoch: str | None = None
 
     @classmethod
@@ -150,6 +174,9 @@ class RedisPoolStore:
             "1" if update.replace else "0",
             len(update.loads),
             secrets.token_hex(8),
+            self._learned_cursor,
+            encode_learned(update.learned) if update.learned else "",
+            self.max_learned_batches,
         ]
         for pod, load in update.loads.items():
             args += [pod, "" if load.empty else load.encode()]
@@ -160,8 +187,10 @@ class RedisPoolStore:
             f"{self._keys_prefix}{update.picker}",
             f"{self.prefix}:routed",
             f"{self.prefix}:epoch",
+            f"{self.prefix}:learned",
         ]
-        epoch_raw, cursor_raw, loads_raw, routed_raw = await self._script(keys=keys, args=args)
+        reply = await self._script(keys=keys, args=args)
+        epoch_raw, cursor_raw, loads_raw, routed_raw, learned_cursor_raw, batches = reply
         epoch = epoch_raw.decode()
         view = PeerView(peers=len(loads_raw))
         if self._epoch is not None and epoch != self._epoch:
@@ -170,6 +199,8 @@ class RedisPoolStore:
             self._cursor = ""
         else:
             self._cursor = cursor_raw.decode()
+        # Read in this same call, from the store as it is now: valid either way.
+        self._learned_cursor = learned_cursor_raw.decode()
         self._epoch = epoch
         for flat in loads_raw:
             for pod_raw, value in zip(flat[::2], flat[1::2], strict=True):
@@ -182,6 +213,11 @@ class RedisPoolStore:
                 routed_raw[::3], routed_raw[1::3], routed_raw[2::3], strict=True
             )
         ]
+        for batch in batches:
+            try:
+                view.learned.extend(decode_learned(batch))
+            except ValueError:
+                view.malformed_learned += 1
         return view
 
     async def close(self) -> None:

@@ -8,7 +8,9 @@ the others cannot learn from the pods before their next decision:
 - its requests in flight per pod (and their prompt tokens), as absolute totals per
   picker, so a picker that dies leaves nothing behind once its entry expires;
 - its routed prefixes: the block keys of a prompt it sent to a pod, held there
-  speculatively until the pod's KV events confirm them, with an expiry.
+  speculatively until the pod's KV events confirm them, with an expiry;
+- the answers its learning plugins learned from (measured TTFT and what was ahead), so
+  that every picker learns the pods' costs from all of the pool's answers.
 
 One exchange per sync writes what this picker changed and reads what the others hold,
 in one round trip (`PoolStateStore.exchange`).
@@ -16,6 +18,8 @@ in one round trip (`PoolStateStore.exchange`).
 
 from __future__ import annotations
 
+import json
+import math
 import struct
 import time
 from collections import deque
@@ -23,12 +27,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ...framework.plugins import LearnedSample
+
 # The per-picker entry (its loads and its membership) outlives its last exchange by this
 # much: a picker that stops syncing is forgotten after it.
 DEFAULT_PICKER_TTL_S = 3.0
 # Routed-prefix entries kept in the store (the oldest dropped beyond), and read per sync.
 DEFAULT_MAX_ROUTED_ENTRIES = 20_000
 DEFAULT_MAX_READ = 2_000
+# Learned-from answers kept in the store for pickers that start late (the oldest dropped
+# beyond): about the last minute of a busy pool's answers.
+DEFAULT_MAX_LEARNED = 5_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +106,7 @@ class PickerUpdate:
     # Pods whose load changed since the last exchange; an empty load removes the pod.
     loads: Mapping[str, PodLoad]
     routed: Sequence[RoutedEntry] = ()
+    learned: Sequence[LearnedSample] = ()
     # The store may have lost this picker's entry (first exchange, or after an outage):
     # `loads` is then the whole table and replaces what the store holds.
     replace: bool = False
@@ -108,10 +118,32 @@ class PeerView:
 
     loads: dict[str, PodLoad] = field(default_factory=dict)  # per pod, summed over peers
     routed: list[RoutedEntry] = field(default_factory=list)  # new since the last exchange
+    learned: list[LearnedSample] = field(default_factory=list)  # the others', new since
+    malformed_learned: int = 0  # batches that did not decode, dropped
     peers: int = 0
     # The store was emptied or replaced since the last exchange: whatever this picker
     # wrote before must be written again.
     store_reset: bool = False
+
+
+def encode_learned(samples: Sequence[LearnedSample]) -> str:
+    return json.dumps([[s.plugin, s.pod, list(s.values)] for s in samples])
+
+
+def decode_learned(blob: str | bytes) -> list[LearnedSample]:
+    """A batch written by `encode_learned`; ValueError for anything else (a peer of
+    another release, a corrupted entry)."""
+    try:
+        rows = json.loads(blob)
+        samples = [
+            LearnedSample(str(plugin), str(pod), tuple(float(v) for v in values))
+            for plugin, pod, values in rows
+        ]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"malformed learned-sample batch: {exc}") from exc
+    if not all(math.isfinite(v) for s in samples for v in s.values):
+        raise ValueError("malformed learned-sample batch: a value is not finite")
+    return samples
 
 
 class PoolStateStore(Protocol):
@@ -132,6 +164,7 @@ class LocalPoolStore:
         picker_ttl_s: float = DEFAULT_PICKER_TTL_S,
         max_entries: int = DEFAULT_MAX_ROUTED_ENTRIES,
         max_read: int = DEFAULT_MAX_READ,
+        max_learned: int = DEFAULT_MAX_LEARNED,
     ) -> None:
         self.picker_ttl_s = picker_ttl_s
         self.max_read = max_read
@@ -141,6 +174,9 @@ class LocalPoolStore:
         self._routed: deque[tuple[int, str, RoutedEntry, float]] = deque(maxlen=max_entries)
         self._seq = 0
         self._cursors: dict[str, int] = {}
+        # (sequence, picker, sample)
+        self._learned: deque[tuple[int, str, LearnedSample]] = deque(maxlen=max_learned)
+        self._learned_cursors: dict[str, int] = {}
 
     async def exchange(self, update: PickerUpdate) -> PeerView:
         now = time.monotonic()
@@ -158,6 +194,7 @@ class LocalPoolStore:
             del self._expires[picker]
             self._loads.pop(picker, None)
             self._cursors.pop(picker, None)
+            self._learned_cursors.pop(picker, None)
         for entry in update.routed:
             self._seq += 1
             self._routed.append((self._seq, me, entry, now + entry.ttl_s))
@@ -177,6 +214,19 @@ class LocalPoolStore:
             if picker != me and until > now:
                 view.routed.append(RoutedEntry(entry.pod, entry.keys, until - now))
         self._cursors[me] = cursor
+        for sample in update.learned:
+            self._seq += 1
+            self._learned.append((self._seq, me, sample))
+        cursor = self._learned_cursors.get(me, 0)
+        for seq, picker, sample in self._learned:
+            if seq <= cursor:
+                continue
+            if len(view.learned) >= self.max_read:
+                break
+            cursor = seq
+            if picker != me:
+                view.learned.append(sample)
+        self._learned_cursors[me] = cursor
         return view
 
     async def close(self) -> None:
@@ -184,6 +234,7 @@ class LocalPoolStore:
 
 
 __all__ = [
+    "DEFAULT_MAX_LEARNED",
     "DEFAULT_MAX_READ",
     "DEFAULT_MAX_ROUTED_ENTRIES",
     "DEFAULT_PICKER_TTL_S",
@@ -193,4 +244,6 @@ __all__ = [
     "PodLoad",
     "PoolStateStore",
     "RoutedEntry",
+    "decode_learned",
+    "encode_learned",
 ]

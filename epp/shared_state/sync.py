@@ -11,7 +11,8 @@ and the read that brings its peers' decisions in.
 
 Peers' loads are folded into the datastore's per-pod in-flight counts; their routed
 prefixes go into the local block index as speculative entries with what is left of
-their expiry.
+their expiry; the answers their learning plugins learned from go to this picker's
+instance of the same plugin (`SharedLearning`), so every picker learns from them all.
 
 Store outage: an exchange that fails or times out marks the store down (one log line,
 a counter, the `smart_epp_shared_state_up` gauge); peers' loads are dropped, since
@@ -30,11 +31,12 @@ import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ...framework.plugins import LearnedSample, SharedLearning
 from ..datastore import Datastore
 from .store import PeerView, PickerUpdate, PodLoad, PoolStateStore, RoutedEntry
 
@@ -50,6 +52,9 @@ DEFAULT_READ_BUDGET_S = 0.001
 DEFAULT_TIMEOUT_S = 0.5
 DEFAULT_RETRY_S = 0.5
 MAX_OUTBOX = 10_000
+# Answers kept for the peers while the store is away: enough to tell them how the pods
+# ran through a short outage, small enough to write in one exchange when it returns.
+MAX_LEARNED_OUTBOX = 1_000
 # Peers' routed prefill is read as a rate over this window, the window over which the
 # predicted-TTFT scorer counts its own (UTILISATION_WINDOW_S), so the two add up.
 PEER_RATE_WINDOW_S = 1.0
@@ -88,6 +93,13 @@ class SharedStateMetrics:
         self.routed = Counter(
             "smart_epp_shared_state_routed_entries_total",
             "Routed-prefix entries: published by this picker, or applied from its peers",
+            ["direction"],
+            registry=registry,
+        )
+        self.learned = Counter(
+            "smart_epp_shared_state_learned_samples_total",
+            "Answers learned from: published by this picker, applied from its peers, or "
+            "dropped (a malformed batch counts once)",
             ["direction"],
             registry=registry,
         )
@@ -173,7 +185,22 @@ class SharedPoolState:
         self._closing = False
         self._peer_pods: set[str] = set()
         self._peer_prefill = CounterRates(PEER_RATE_WINDOW_S)
+        self._plugins: Callable[[], Iterable[object]] = tuple
+        self._learned_outbox: deque[LearnedSample] = deque(maxlen=MAX_LEARNED_OUTBOX)
         datastore.on_change = self._load_changed
+
+    def share_learning(self, plugins: Callable[[], Iterable[object]]) -> None:
+        """The scheduler's plugins (asked at each exchange, so a reloaded configuration's
+        are used): those that learn hand their answers to the other pickers and get the
+        other pickers' (matched by plugin name)."""
+        self._plugins = plugins
+
+    def _learners(self) -> dict[str, SharedLearning]:
+        return {
+            plugin.name: plugin
+            for plugin in self._plugins()
+            if isinstance(plugin, SharedLearning) and isinstance(getattr(plugin, "name", None), str)
+        }
 
     # ------------------------------------------------------------------ decision path
 
@@ -254,7 +281,11 @@ class SharedPoolState:
                 load = PodLoad(*own(address))
                 if self._published.get(address, PodLoad()) != load:
                     loads[address] = load
-        return PickerUpdate(self.picker_id, loads, routed, replace=self._replace)
+        for learner in self._learners().values():
+            self._learned_outbox.extend(learner.take_learned())
+        return PickerUpdate(
+            self.picker_id, loads, routed, list(self._learned_outbox), replace=self._replace
+        )
 
     async def sync_once(self) -> bool:
         """One exchange; False when the store did not answer."""
@@ -287,6 +318,11 @@ class SharedPoolState:
                     self._published[address] = load
         for _ in range(min(sent_outbox, len(self._outbox))):
             self._outbox.popleft()
+        # Samples taken while the exchange was in flight wait for the next one.
+        for _ in range(min(len(update.learned), len(self._learned_outbox))):
+            self._learned_outbox.popleft()
+        if update.learned:
+            self.metrics.learned.labels("published").inc(len(update.learned))
         if update.routed:
             self.metrics.routed.labels("published").inc(len(update.routed))
         was_replace = update.replace
@@ -330,6 +366,20 @@ class SharedPoolState:
                     add(entry.pod, entry.keys, entry.ttl_s)
                     applied += 1
             self.metrics.routed.labels("applied").inc(applied)
+        if view.malformed_learned:
+            self.metrics.learned.labels("dropped").inc(view.malformed_learned)
+        learners = self._learners() if view.learned else {}
+        if learners:
+            by_plugin: dict[str, list[LearnedSample]] = {}
+            for sample in view.learned:
+                by_plugin.setdefault(sample.plugin, []).append(sample)
+            for name, samples in by_plugin.items():
+                learner = learners.get(name)
+                if learner is None:
+                    self.metrics.learned.labels("dropped").inc(len(samples))
+                    continue
+                learner.learn_from_peers(samples)
+                self.metrics.learned.labels("applied").inc(len(samples))
 
     def _went_down(self, exc: BaseException) -> None:
         self._replace = True  # the store may come back empty

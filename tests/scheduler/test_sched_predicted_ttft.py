@@ -234,6 +234,21 @@ def test_with_idle_pods_a_request_follows_its_cached_prefix():
     assert all(comp["congestion_s"] == 0.0 for comp in c.components.values())
 
 
+def test_pods_priced_alike_go_to_the_one_holding_most_of_the_prompt():
+    # A fit whose answers were all fixed cost prices prefill at nothing: every idle pod
+    # then costs the same, and the tie goes to the pods holding the prompt, most first.
+    s = scorer()
+    s.learner.pool.coef = [0.04, 0.0, 0.0, 0.0]
+    s.learner.pool._sync()
+    pods = [pod("a:1"), pod("b:1"), pod("c:1")]
+    c = ctx(4000, hits={"b:1": PrefixHit(blocks=200), "c:1": PrefixHit(blocks=100)})
+    c.block_sizes = {p.address: 16 for p in pods}
+    costs = s.predict(c, pods).ttft_s
+    assert costs[0] == costs[1] == costs[2]  # the price alone cannot tell them apart
+    scores = s.score(c, pods)
+    assert scores[1] == 1.0 > scores[2] > scores[0]
+
+
 def test_a_busy_pool_waits_for_a_held_prefix_instead_of_computing_it_again():
     """a holds 1,984 of the prompt's 2,000 tokens behind 2 waiting requests; b is idle and
     would answer a moment sooner by computing all 2,000 again. An idle pool does that

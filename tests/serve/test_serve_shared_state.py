@@ -113,6 +113,20 @@ async def test_prefixes_and_load_routed_by_one_picker_steer_the_other(
         page = await pair.second.metrics()
         assert sample(page, "smart_epp_kv_events_total") == 0  # it learned nothing from pods
 
+        # Each picker answered three of the six requests, and learns from the other's three.
+        learned = "smart_epp_shared_state_learned_samples_total"
+
+        async def learned_from_each_other() -> bool:
+            return all(
+                [await pair.metric(gw, learned, direction="applied") >= 3
+                 and await pair.metric(gw, learned, direction="published") >= 3
+                 for gw in (pair.first, pair.second)]
+            )  # fmt: skip
+
+        await async_wait_until(learned_from_each_other, 10, "each picker learning the other's")
+        for gw in (pair.first, pair.second):
+            assert await pair.metric(gw, learned, direction="dropped") == 0
+
         # A long stream through the first picker counts on its pod at the second (once the
         # requests above have left the first picker's books, with their access log).
         async def released() -> bool:

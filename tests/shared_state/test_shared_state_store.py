@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+import redis.asyncio
 import redis.exceptions
 from support.net import async_wait_until
 from support.redis_server import RedisServer, redis_server_fixture
@@ -20,7 +21,9 @@ from smart_epp.epp.shared_state.store import (
     PodLoad,
     PoolStateStore,
     RoutedEntry,
+    encode_learned,
 )
+from smart_epp.framework.plugins import LearnedSample
 
 redis_server = redis_server_fixture
 
@@ -122,4 +125,37 @@ async def test_an_emptied_store_is_noticed(redis_server: RedisServer) -> None:
         assert view is not None and view.store_reset
         assert not (await store.exchange(PickerUpdate("a", {}, replace=True))).store_reset
     finally:
+        await store.close()
+
+
+async def test_learned_samples_reach_every_other_picker_once_and_late_joiners_too(
+    stores: StoreFactory,
+) -> None:
+    a, b = stores(), stores()
+    await a.exchange(PickerUpdate("a", {}, replace=True))
+    await b.exchange(PickerUpdate("b", {}, replace=True))
+    sample = LearnedSample("ttft", "pod1", (0.25, 1600.0, 0.0, 3200.0, 5.0e6, 2.0))
+    view_a = await a.exchange(PickerUpdate("a", {}, learned=[sample]))
+    assert view_a.learned == []  # never its own
+    assert (await b.exchange(PickerUpdate("b", {}))).learned == [sample]
+    assert (await b.exchange(PickerUpdate("b", {}))).learned == []  # once
+    # A picker that starts now learns from what the others wrote before it came.
+    late = stores()
+    assert (await late.exchange(PickerUpdate("c", {}, replace=True))).learned == [sample]
+
+
+@pytest.mark.redis
+async def test_a_malformed_learned_batch_is_counted_and_dropped(redis_server: RedisServer) -> None:
+    store = RedisPoolStore.from_url(redis_server.url, pool_name="p")
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        await store.exchange(PickerUpdate("a", {}, replace=True))
+        good = LearnedSample("ttft", "pod1", (0.1, 100.0, 0.0, 0.0, 0.0, 0.0))
+        for blob in ("not json", '[["ttft", "pod1", ["NaN"]]]', encode_learned([good])):
+            await client.xadd("smart-epp:{p}:learned", {"p": "intruder", "d": blob})
+        view = await store.exchange(PickerUpdate("a", {}))
+        assert view.malformed_learned == 2
+        assert view.learned == [good]
+    finally:
+        await client.aclose()
         await store.close()

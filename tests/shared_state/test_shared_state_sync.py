@@ -19,6 +19,8 @@ from smart_epp.epp.shared_state.store import LocalPoolStore, PoolStateStore
 from smart_epp.epp.shared_state.sync import CounterRates, PublishingIndex, SharedPoolState
 from smart_epp.framework.types import Endpoint
 from smart_epp.kv_index.memory import MemoryBlockIndex
+from smart_epp.scorers.predicted_ttft_scorer import PredictedTTFTParams, PredictedTTFTScorer
+from smart_epp.scorers.ttft_model import Snapshot
 
 redis_server = redis_server_fixture
 PODS = ["10.0.0.1:8000", "10.0.0.2:8000"]
@@ -104,6 +106,32 @@ async def test_prefill_one_picker_routes_reaches_the_other_as_a_rate(
     assert a.datastore.own_load(PODS[0])[4] == pytest.approx(5.6)
     # Once a routes nothing for a window, the rate falls back to 0.
     await async_wait_until(lambda: seen.inflight.peer_prefill_rate == 0.0, 5, "rate decays")
+
+
+async def test_what_one_picker_learns_of_the_pods_the_other_learns_too(
+    local_pickers: tuple[Picker, Picker],
+) -> None:
+    """Only a's pods answered: b, which answered nothing, prices them as a does (same
+    prior, same answers in the same order: the same fit), and a third scorer that is not
+    sharing still holds its prior."""
+    a, b = local_pickers
+    scorers = [PredictedTTFTScorer("ttft", PredictedTTFTParams()) for _ in range(3)]
+    a.shared.share_learning(lambda: [scorers[0]])
+    b.shared.share_learning(lambda: [scorers[1]])
+    for i in range(40):
+        prompt = 500 + 100 * i
+        # A pod computing 25k tokens/s with 10 ms fixed cost; the prior says 10k/s.
+        ttft = 0.010 + prompt / 25_000
+        scorers[0].observe(PODS[i % 2], ttft, prompt, 0, Snapshot(0.0, 0.0, 0.0))
+
+    def learned(scorer: PredictedTTFTScorer) -> dict[str, float]:
+        return scorer.learned_cold_ttft(4_000)
+
+    await async_wait_until(lambda: learned(scorers[1]) == learned(scorers[0]), 5, "b learning")
+    assert learned(scorers[0])[PODS[0]] == pytest.approx(0.010 + 4_000 / 25_000, rel=0.1)
+    assert learned(scorers[2]) == {}
+    assert b.metric("smart_epp_shared_state_learned_samples_total", direction="applied") == 40
+    assert a.metric("smart_epp_shared_state_learned_samples_total", direction="published") == 40
 
 
 def test_counter_rates_read_a_window_and_restart_when_a_counter_shrinks() -> None:
