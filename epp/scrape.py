@@ -11,6 +11,11 @@ session (one task per pod, so a slow pod delays only itself). A pod whose scrape
 and comes back with its first good scrape. A pod whose `process_start_time_seconds`
 changes between two scrapes restarted; `on_restart` hears of it (the KV index then drops
 what the old process published, even if the event stream never showed the restart).
+
+Several pickers of one pool share their scrapes (`epp.shared_state`): `should_scrape`
+then says which pods this picker fetches itself, `on_fetched` hears of each fetch, and
+another picker's scrape of a pod is applied with `apply_scrape` / `apply_failures`,
+exactly as one of this picker's own would be.
 """
 
 from __future__ import annotations
@@ -229,6 +234,10 @@ class MetricsScraper:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._unready_by_us: set[str] = set()
         self._supervisor: asyncio.Task[None] | None = None
+        # Which pods this picker fetches itself (None: all of them).
+        self.should_scrape: Callable[[str], bool] | None = None
+        # Hears of each of this picker's own fetches: the metrics, or None when it failed.
+        self.on_fetched: Callable[[PodState, PodMetrics | None], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -288,7 +297,8 @@ class MetricsScraper:
             pod = self._pods.get(address)
             if pod is None:
                 return
-            await self.scrape_once(pod)
+            if self.should_scrape is None or self.should_scrape(address):
+                await self.scrape_once(pod)
             elapsed = time.perf_counter() - started
             await asyncio.sleep(max(0.0, self.interval_s - elapsed))
 
@@ -307,14 +317,30 @@ class MetricsScraper:
         except MetricsParseError as exc:
             SCRAPES.labels("malformed").inc()
             self._failed(pod, exc)
+            self._fetched(pod, None)
             return False
         except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError) as exc:
             SCRAPES.labels("error").inc()
             self._failed(pod, exc)
+            self._fetched(pod, None)
             return False
         SCRAPE_DURATION.observe(time.perf_counter() - started)
         SCRAPES.labels("ok").inc()
-        metrics.scraped_at = self.clock()
+        self.apply_scrape(pod, metrics, self.clock())
+        self._fetched(pod, metrics)
+        return True
+
+    def _fetched(self, pod: PodState, metrics: PodMetrics | None) -> None:
+        if self.on_fetched is not None:
+            try:
+                self.on_fetched(pod, metrics)
+            except Exception:
+                log.exception("fetch listener failed for %s", pod.address)
+
+    def apply_scrape(self, pod: PodState, metrics: PodMetrics, scraped_at: float) -> None:
+        """A successful scrape of `pod` taken at `scraped_at` (this scraper's clock), by
+        this picker or another: the pod's metrics, restart and readiness follow it."""
+        metrics.scraped_at = scraped_at
         previous_start = pod.metrics.process_start_time
         pod.metrics = metrics
         started_at = metrics.process_start_time
@@ -329,7 +355,14 @@ class MetricsScraper:
                 self.on_scraped(pod)
             except Exception:
                 log.exception("scrape listener failed for %s", pod.address)
-        return True
+
+    def apply_failures(self, pod: PodState, failures: int, scraper: str) -> None:
+        """Another picker's scrapes of `pod` failed `failures` times in a row: the pod
+        leaves the candidate set at the same threshold as for this picker's own."""
+        if failures <= pod.metrics.consecutive_failures:
+            return
+        pod.metrics.consecutive_failures = failures - 1
+        self._failed(pod, RuntimeError(f"reported by picker {scraper}"))
 
     def _restarted(self, pod: PodState) -> None:
         POD_RESTARTS.labels(pod.address).inc()

@@ -341,6 +341,8 @@ async def serve(
         on_restart=pod_restarted,
         on_scraped=(lambda _pod: flow.pump()) if admission is not None else None,
     )
+    if shared is not None:
+        shared.share_scrapes(scraper)  # one picker of the pool fetches each pod's /metrics
     recorder: TrafficRecorder | None = None
     if options.record_traffic is not None:
         recorder = TrafficRecorder.to_file(

@@ -8,13 +8,17 @@ Layout, all under one hash tag so a cluster keeps it in one slot:
                             and trimmed to the longest ttl by id, ids being server ms)
     {prefix}:learned        stream: picker, one batch of learned-from answers per exchange
                             that has any (JSON; MAXLEN ~ N batches)
+    {prefix}:scrapes        hash: pod -> "written_ms taken_ms picker seq payload", the
+                            newest shared scrape of each pod (dropped when not rewritten
+                            for a minute)
     {prefix}:epoch          a random token set once: a new one means the store was
                             emptied (restarted) and every picker writes its table again
 
 One Lua script does a whole exchange, so it is atomic and costs one round trip: it
 writes this picker's changed loads, refreshes its expiry, drops pickers past theirs,
-appends its routed entries and learned answers, and returns the other pickers' loads
-and the routed entries and learned answers appended since this picker's cursors. Expiry
+appends its routed entries and learned answers, records its scrapes, and returns the
+other pickers' ids and loads, the routed entries and learned answers appended since this
+picker's cursors, and the others' scrapes written since its last exchange. Expiry
 runs on the server's clock (TIME), so pickers on different hosts need no synchronised
 clocks.
 """
@@ -31,10 +35,12 @@ from .store import (
     DEFAULT_MAX_READ,
     DEFAULT_MAX_ROUTED_ENTRIES,
     DEFAULT_PICKER_TTL_S,
+    SCRAPE_FORGET_S,
     PeerView,
     PickerUpdate,
     PodLoad,
     RoutedEntry,
+    SharedScrape,
     decode_learned,
     encode_learned,
 )
@@ -54,7 +60,9 @@ if not epoch then
 end
 local learned_cursor, batch = ARGV[11], ARGV[12]
 local max_learned = tonumber(ARGV[13])
-local i = 14
+local scrapes, nscrapes = KEYS[6], tonumber(ARGV[14])
+local scrape_cursor, scrape_forget = tonumber(ARGV[15]), tonumber(ARGV[16])
+local i = 17
 if replace == '1' then redis.call('DEL', own) end
 for _ = 1, nloads do
   if ARGV[i + 1] == '' then
@@ -65,6 +73,13 @@ for _ = 1, nloads do
   i = i + 2
 end
 redis.call('PEXPIRE', own, ttl)
+for _ = 1, nscrapes do
+  -- pod, age ms, seq, payload
+  redis.call('HSET', scrapes, ARGV[i], now .. ' ' .. (now - tonumber(ARGV[i + 1])) .. ' ' ..
+             me .. ' ' .. ARGV[i + 2] .. ' ' .. ARGV[i + 3])
+  i = i + 4
+end
+if nscrapes > 0 then redis.call('PEXPIRE', scrapes, scrape_forget + ttl) end
 redis.call('ZADD', pickers, now + ttl, me)
 redis.call('ZREMRANGEBYSCORE', pickers, '-inf', now)
 redis.call('PEXPIRE', pickers, ttl)
@@ -85,9 +100,28 @@ end
 redis.call('PEXPIRE', learned, ttl + 60000)
 redis.call('PEXPIRE', epoch_key, math.max(ttl, max_routed_ttl) + 60000)
 local loads = {}
+local ids = {}
 for _, id in ipairs(redis.call('ZRANGE', pickers, 0, -1)) do
   if id ~= me then
+    ids[#ids + 1] = id
     loads[#loads + 1] = redis.call('HGETALL', load_prefix .. id)
+  end
+end
+-- Flat (pod, age ms, picker, seq, payload) of the others' scrapes written since this
+-- picker's last exchange (at or after it: the reader drops what it has seen).
+local seen = {}
+local held = redis.call('HGETALL', scrapes)
+for j = 1, #held, 2 do
+  local written, taken, who, seq, payload =
+    string.match(held[j + 1], '^(%d+) (%-?%d+) (%S+) (%d+) (.*)$')
+  if written == nil or tonumber(written) < now - scrape_forget then
+    redis.call('HDEL', scrapes, held[j])
+  elseif tonumber(written) >= scrape_cursor and who ~= me then
+    seen[#seen + 1] = held[j]
+    seen[#seen + 1] = now - tonumber(taken)
+    seen[#seen + 1] = who
+    seen[#seen + 1] = seq
+    seen[#seen + 1] = payload
   end
 end
 local entries
@@ -121,7 +155,7 @@ for _, entry in ipairs(redis.call('XRANGE', learned, from, '+', 'COUNT', max_rea
   learned_last = entry[1]
   if entry[2][2] ~= me then batches[#batches + 1] = entry[2][4] end
 end
-return {epoch, last, loads, out, learned_last, batches}
+return {epoch, last, loads, out, learned_last, batches, ids, seen, now}
 """
 
 
@@ -149,6 +183,7 @@ class RedisPoolStore:
         self._keys_prefix = f"{prefix}:load:"
         self._cursor = ""
         self._learned_cursor = ""
+        self._scrape_cursor = 0  # server ms of the last exchange
         # Batches of learned answers: one per exchange, a few answers each.
         self.max_learned_batches = max(1, max_learned // 4)
         self._epoch: str | None = None
@@ -177,9 +212,14 @@ class RedisPoolStore:
             self._learned_cursor,
             encode_learned(update.learned) if update.learned else "",
             self.max_learned_batches,
+            len(update.scrapes),
+            self._scrape_cursor,
+            int(SCRAPE_FORGET_S * 1000),
         ]
         for pod, load in update.loads.items():
             args += [pod, "" if load.empty else load.encode()]
+        for scrape in update.scrapes:
+            args += [scrape.pod, max(0, int(scrape.age_s * 1000)), scrape.seq, scrape.payload]
         for entry in update.routed:
             args += [entry.pod, int(entry.ttl_s * 1000), entry.packed_keys()]
         keys = [
@@ -188,11 +228,21 @@ class RedisPoolStore:
             f"{self.prefix}:routed",
             f"{self.prefix}:epoch",
             f"{self.prefix}:learned",
+            f"{self.prefix}:scrapes",
         ]
         reply = await self._script(keys=keys, args=args)
-        epoch_raw, cursor_raw, loads_raw, routed_raw, learned_cursor_raw, batches = reply
+        (epoch_raw, cursor_raw, loads_raw, routed_raw, learned_cursor_raw, batches, ids_raw,
+         scrapes_raw, now_ms) = reply  # fmt: skip
         epoch = epoch_raw.decode()
-        view = PeerView(peers=len(loads_raw))
+        peer_ids = tuple(sorted(raw.decode() for raw in ids_raw))
+        view = PeerView(peers=len(peer_ids), peer_ids=peer_ids)
+        self._scrape_cursor = int(now_ms)
+        view.scrapes = [
+            SharedScrape(pod.decode(), who.decode(), int(seq), int(age_ms) / 1000, payload.decode())
+            for pod, age_ms, who, seq, payload in zip(
+                *(scrapes_raw[k::5] for k in range(5)), strict=True
+            )
+        ]
         if self._epoch is not None and epoch != self._epoch:
             # Emptied since we last looked: our cursor means nothing there any more.
             view.store_reset = True

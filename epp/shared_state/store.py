@@ -10,7 +10,10 @@ the others cannot learn from the pods before their next decision:
 - its routed prefixes: the block keys of a prompt it sent to a pod, held there
   speculatively until the pod's KV events confirm them, with an expiry;
 - the answers its learning plugins learned from (measured TTFT and what was ahead), so
-  that every picker learns the pods' costs from all of the pool's answers.
+  that every picker learns the pods' costs from all of the pool's answers;
+- the /metrics scrapes it took: each pod is scraped by one picker of the pool (chosen
+  by rendezvous hashing over the live pickers) and the others apply its scrape, so that
+  N pickers cost the pods and themselves one scrape per interval, not N.
 
 One exchange per sync writes what this picker changed and reads what the others hold,
 in one round trip (`PoolStateStore.exchange`).
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ...framework.plugins import LearnedSample
+from ...framework.types import PodMetrics
 
 # The per-picker entry (its loads and its membership) outlives its last exchange by this
 # much: a picker that stops syncing is forgotten after it.
@@ -38,6 +42,9 @@ DEFAULT_MAX_READ = 2_000
 # Learned-from answers kept in the store for pickers that start late (the oldest dropped
 # beyond): about the last minute of a busy pool's answers.
 DEFAULT_MAX_LEARNED = 5_000
+# A pod's shared scrape not rewritten for this long is dropped from the store: the pod
+# left the pool (or no picker is left to scrape it).
+SCRAPE_FORGET_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +105,76 @@ class RoutedEntry:
         return struct.unpack(f"<{len(data) // 8}Q", data)
 
 
+@dataclass(frozen=True, slots=True)
+class SharedScrape:
+    """One picker's latest /metrics scrape of one pod: what the page said (`payload`, see
+    `encode_scrape`) or how many scrapes of it in a row had failed."""
+
+    pod: str
+    picker: str
+    seq: int  # the scraping picker's count of its scrapes of this pod: new ones only
+    age_s: float  # how long before the exchange it was taken
+    payload: str
+
+
+def encode_scrape(metrics: PodMetrics | None, failures: int = 0) -> str:
+    """A scrape's result as the pickers share it; `None` for a failed scrape."""
+    if metrics is None:
+        return json.dumps({"failed": failures})
+    return json.dumps(
+        {
+            "m": [
+                metrics.waiting,
+                metrics.running,
+                metrics.kv_usage,
+                sorted(metrics.running_adapters),
+                sorted(metrics.waiting_adapters),
+                metrics.max_loras,
+                metrics.block_size,
+                metrics.num_gpu_blocks,
+                metrics.prefix_cache_queries,
+                metrics.prefix_cache_hits,
+                metrics.process_start_time,
+            ]
+        }
+    )
+
+
+def decode_scrape(payload: str | bytes) -> PodMetrics | int:
+    """The metrics of a shared scrape, or the failure count of a failed one; ValueError
+    for anything else (a peer of another release, a corrupted entry)."""
+    try:
+        doc = json.loads(payload)
+        if "failed" in doc:
+            failures = int(doc["failed"])
+            if failures < 0:
+                raise ValueError("negative failure count")
+            return failures
+        (waiting, running, kv_usage, running_adapters, waiting_adapters, max_loras,
+         block_size, num_gpu_blocks, queries, hits, start) = doc["m"]  # fmt: skip
+        metrics = PodMetrics(
+            waiting=int(waiting),
+            running=int(running),
+            kv_usage=float(kv_usage),
+            running_adapters=frozenset(str(a) for a in running_adapters),
+            waiting_adapters=frozenset(str(a) for a in waiting_adapters),
+            max_loras=int(max_loras),
+            block_size=None if block_size is None else int(block_size),
+            num_gpu_blocks=None if num_gpu_blocks is None else int(num_gpu_blocks),
+            prefix_cache_queries=float(queries),
+            prefix_cache_hits=float(hits),
+            process_start_time=None if start is None else float(start),
+        )
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise ValueError(f"malformed shared scrape: {exc}") from exc
+    numbers = (metrics.kv_usage, metrics.prefix_cache_queries, metrics.prefix_cache_hits)
+    if min(metrics.waiting, metrics.running, metrics.max_loras) < 0 or not all(
+        math.isfinite(v) and v >= 0 for v in numbers
+    ):
+        raise ValueError("malformed shared scrape: a count is negative or not finite")
+    return metrics
+
+
 @dataclass(slots=True)
 class PickerUpdate:
     """What one picker writes in one exchange."""
@@ -107,6 +184,9 @@ class PickerUpdate:
     loads: Mapping[str, PodLoad]
     routed: Sequence[RoutedEntry] = ()
     learned: Sequence[LearnedSample] = ()
+    # This picker's newest scrape of each pod it scraped since the last exchange
+    # (`picker` is this picker).
+    scrapes: Sequence[SharedScrape] = ()
     # The store may have lost this picker's entry (first exchange, or after an outage):
     # `loads` is then the whole table and replaces what the store holds.
     replace: bool = False
@@ -120,7 +200,11 @@ class PeerView:
     routed: list[RoutedEntry] = field(default_factory=list)  # new since the last exchange
     learned: list[LearnedSample] = field(default_factory=list)  # the others', new since
     malformed_learned: int = 0  # batches that did not decode, dropped
+    # The others' scrapes written since the last exchange (and possibly a few seen then:
+    # a reader keeps the newest (picker, seq) per pod).
+    scrapes: list[SharedScrape] = field(default_factory=list)
     peers: int = 0
+    peer_ids: tuple[str, ...] = ()  # the other live pickers
     # The store was emptied or replaced since the last exchange: whatever this picker
     # wrote before must be written again.
     store_reset: bool = False
@@ -177,6 +261,9 @@ class LocalPoolStore:
         # (sequence, picker, sample)
         self._learned: deque[tuple[int, str, LearnedSample]] = deque(maxlen=max_learned)
         self._learned_cursors: dict[str, int] = {}
+        # pod -> (sequence written, taken at (monotonic), scrape)
+        self._scrapes: dict[str, tuple[int, float, SharedScrape]] = {}
+        self._scrape_cursors: dict[str, int] = {}
 
     async def exchange(self, update: PickerUpdate) -> PeerView:
         now = time.monotonic()
@@ -195,10 +282,25 @@ class LocalPoolStore:
             self._loads.pop(picker, None)
             self._cursors.pop(picker, None)
             self._learned_cursors.pop(picker, None)
+            self._scrape_cursors.pop(picker, None)
         for entry in update.routed:
             self._seq += 1
             self._routed.append((self._seq, me, entry, now + entry.ttl_s))
-        view = PeerView(peers=len(self._expires) - 1)
+        for scrape in update.scrapes:
+            self._seq += 1
+            self._scrapes[scrape.pod] = (self._seq, now - scrape.age_s, scrape)
+        scrapes = self._scrapes
+        for pod in [p for p, (_, taken, _) in scrapes.items() if now - taken > SCRAPE_FORGET_S]:
+            del self._scrapes[pod]
+        others = tuple(sorted(p for p in self._expires if p != me))
+        view = PeerView(peers=len(others), peer_ids=others)
+        cursor = self._scrape_cursors.get(me, 0)
+        for seq, taken, scrape in self._scrapes.values():
+            if seq > cursor and scrape.picker != me:
+                view.scrapes.append(
+                    SharedScrape(scrape.pod, scrape.picker, scrape.seq, now - taken, scrape.payload)
+                )
+        self._scrape_cursors[me] = self._seq
         for picker, held in self._loads.items():
             if picker == me:
                 continue
@@ -244,6 +346,9 @@ __all__ = [
     "PodLoad",
     "PoolStateStore",
     "RoutedEntry",
+    "SharedScrape",
     "decode_learned",
+    "decode_scrape",
     "encode_learned",
+    "encode_scrape",
 ]

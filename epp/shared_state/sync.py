@@ -12,7 +12,8 @@ and the read that brings its peers' decisions in.
 Peers' loads are folded into the datastore's per-pod in-flight counts; their routed
 prefixes go into the local block index as speculative entries with what is left of
 their expiry; the answers their learning plugins learned from go to this picker's
-instance of the same plugin (`SharedLearning`), so every picker learns from them all.
+instance of the same plugin (`SharedLearning`), so every picker learns from them all;
+their /metrics scrapes are applied as this picker's own (`scrapes.ScrapeSharing`).
 
 Store outage: an exchange that fails or times out marks the store down (one log line,
 a counter, the `smart_epp_shared_state_up` gauge); peers' loads are dropped, since
@@ -38,6 +39,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ...framework.plugins import LearnedSample, SharedLearning
 from ..datastore import Datastore
+from ..scrape import MetricsScraper
+from .scrapes import ScrapeSharing
 from .store import PeerView, PickerUpdate, PodLoad, PoolStateStore, RoutedEntry
 
 log = logging.getLogger(__name__)
@@ -101,6 +104,19 @@ class SharedStateMetrics:
             "Answers learned from: published by this picker, applied from its peers, or "
             "dropped (a malformed batch counts once)",
             ["direction"],
+            registry=registry,
+        )
+        self.scrapes = Counter(
+            "smart_epp_shared_state_scrapes_total",
+            "Pod /metrics scrapes shared: published by this picker, applied from its "
+            "peers, or dropped (malformed)",
+            ["direction"],
+            registry=registry,
+        )
+        self.fetched_pods = Gauge(
+            "smart_epp_shared_state_fetched_pods",
+            "Pods whose /metrics this picker fetches itself; its peers' scrapes of the "
+            "others are applied",
             registry=registry,
         )
         self.peers = Gauge(
@@ -187,7 +203,19 @@ class SharedPoolState:
         self._peer_prefill = CounterRates(PEER_RATE_WINDOW_S)
         self._plugins: Callable[[], Iterable[object]] = tuple
         self._learned_outbox: deque[LearnedSample] = deque(maxlen=MAX_LEARNED_OUTBOX)
+        self.scrape_sharing: ScrapeSharing | None = None
         datastore.on_change = self._load_changed
+
+    def share_scrapes(self, scraper: MetricsScraper) -> None:
+        """Each pod's /metrics is fetched by one picker of the pool; the others apply
+        its scrape through `scraper` (see `scrapes`)."""
+        self.scrape_sharing = ScrapeSharing(
+            self.picker_id,
+            scraper,
+            self.datastore,
+            scrapes=self.metrics.scrapes,
+            fetched_pods=self.metrics.fetched_pods,
+        )
 
     def share_learning(self, plugins: Callable[[], Iterable[object]]) -> None:
         """The scheduler's plugins (asked at each exchange, so a reloaded configuration's
@@ -284,7 +312,12 @@ class SharedPoolState:
         for learner in self._learners().values():
             self._learned_outbox.extend(learner.take_learned())
         return PickerUpdate(
-            self.picker_id, loads, routed, list(self._learned_outbox), replace=self._replace
+            self.picker_id,
+            loads,
+            routed,
+            list(self._learned_outbox),
+            self.scrape_sharing.outgoing() if self.scrape_sharing is not None else (),
+            replace=self._replace,
         )
 
     async def sync_once(self) -> bool:
@@ -325,6 +358,8 @@ class SharedPoolState:
             self.metrics.learned.labels("published").inc(len(update.learned))
         if update.routed:
             self.metrics.routed.labels("published").inc(len(update.routed))
+        if self.scrape_sharing is not None:
+            self.scrape_sharing.sent(update.scrapes)
         was_replace = update.replace
         self._replace = False
         if view.store_reset:
@@ -380,6 +415,8 @@ class SharedPoolState:
                     continue
                 learner.learn_from_peers(samples)
                 self.metrics.learned.labels("applied").inc(len(samples))
+        if self.scrape_sharing is not None:
+            self.scrape_sharing.exchanged(view)
 
     def _went_down(self, exc: BaseException) -> None:
         self._replace = True  # the store may come back empty
@@ -392,6 +429,8 @@ class SharedPoolState:
         self.datastore.set_peer_loads({})  # nothing refreshes them any more
         self._peer_prefill = CounterRates(PEER_RATE_WINDOW_S)
         self.metrics.peers.set(0)
+        if self.scrape_sharing is not None:
+            self.scrape_sharing.disconnected()
         log.warning(
             "shared pool state unreachable (%s); routing on this picker's own state until "
             "it returns",

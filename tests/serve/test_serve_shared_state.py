@@ -209,3 +209,58 @@ async def test_a_store_outage_keeps_both_pickers_serving_and_they_share_again(
             log = log_of(gw.epp)
             assert log.count("shared pool state unreachable") == 1
             assert log.count("shared pool state back; reconciled") == 1
+
+
+async def test_each_pod_is_fetched_by_one_picker_and_the_survivor_takes_over(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    async with picker_pair(tmp_path, redis_server.url) as pair:
+        pool = pair.first.pool
+        fetched = "smart_epp_shared_state_fetched_pods"
+
+        async def split() -> bool:
+            counts = [await pair.metric(gw, fetched) for gw in (pair.first, pair.second)]
+            return sum(counts) == len(pool.pods)
+
+        await async_wait_until(split, 10, "each pod fetched by one picker")
+        # A stream on one pod shows in both pickers' view of the pool, though only one
+        # of them fetches that pod's /metrics: the other applies the shared scrape.
+        body = {"model": MODEL, "prompt": text(70, 50), "max_tokens": 3000, "stream": True,
+                "ignore_eos": True}  # fmt: skip
+        average = "inference_pool_average_running_requests"
+        async with pair.first.http.post(
+            f"{pair.first.envoy.url}/v1/completions", json=body
+        ) as resp:
+            assert resp.status == 200
+            assert await resp.content.readline()
+
+            async def both_see_it() -> bool:
+                return all(
+                    [await pair.metric(gw, average) == 1 / len(pool.pods)
+                     for gw in (pair.first, pair.second)]
+                )  # fmt: skip
+
+            await async_wait_until(both_see_it, 10, "both pickers seeing the running stream")
+            assert await split()  # nobody fetched what another picker shares
+            await resp.read()
+        shared = "smart_epp_shared_state_scrapes_total"
+        for direction in ("published", "applied"):
+            counts = [await pair.metric(gw, shared, direction=direction)
+                      for gw in (pair.first, pair.second)]  # fmt: skip
+            assert sum(counts) > 0
+
+        # The first picker dies: the second fetches every pod within two seconds, before
+        # the first one's entry in the store expires, and no pod leaves its candidate set.
+        pair.first.epp.process.kill()
+        pair.first.epp.process.wait()
+
+        async def took_over() -> bool:
+            return await pair.metric(pair.second, fetched) == len(pool.pods)
+
+        await async_wait_until(took_over, 2, "the survivor fetching every pod")
+        assert await pair.metric(pair.second, "inference_pool_ready_pods") == len(pool.pods)
+        statuses = await asyncio.gather(
+            *(pair.second.status_via_gateway({"model": MODEL, "prompt": text(80 + n, 30),
+                                              "max_tokens": 2}) for n in range(4))
+        )  # fmt: skip
+        assert statuses == [200] * 4

@@ -21,9 +21,13 @@ from smart_epp.epp.shared_state.store import (
     PodLoad,
     PoolStateStore,
     RoutedEntry,
+    SharedScrape,
+    decode_scrape,
     encode_learned,
+    encode_scrape,
 )
 from smart_epp.framework.plugins import LearnedSample
+from smart_epp.framework.types import PodMetrics
 
 redis_server = redis_server_fixture
 
@@ -159,3 +163,41 @@ async def test_a_malformed_learned_batch_is_counted_and_dropped(redis_server: Re
     finally:
         await client.aclose()
         await store.close()
+
+
+async def test_scrapes_reach_the_other_pickers_with_their_age_and_the_live_pickers_are_named(
+    stores: StoreFactory,
+) -> None:
+    a, b = stores(), stores()
+    await a.exchange(PickerUpdate("a", {}, replace=True))
+    first = await b.exchange(PickerUpdate("b", {}, replace=True))
+    assert first.peer_ids == ("a",)
+    metrics = PodMetrics(waiting=3, running=7, kv_usage=0.25, running_adapters=frozenset({"x"}),
+                         max_loras=2, block_size=16, num_gpu_blocks=900,
+                         process_start_time=1234.5)  # fmt: skip
+    payload = encode_scrape(metrics)
+    view_a = await a.exchange(
+        PickerUpdate("a", {}, scrapes=[SharedScrape("pod1", "a", 1, 0.2, payload)])
+    )
+    assert view_a.scrapes == []  # never its own
+    [seen] = (await b.exchange(PickerUpdate("b", {}))).scrapes
+    assert (seen.pod, seen.picker, seen.seq, seen.payload) == ("pod1", "a", 1, payload)
+    assert 0.2 <= seen.age_s < 1.0
+    assert decode_scrape(seen.payload) == metrics
+    # Only the newest scrape of a pod is kept, and a picker that starts late gets it.
+    failed = encode_scrape(None, 3)
+    await a.exchange(PickerUpdate("a", {}, scrapes=[SharedScrape("pod1", "a", 2, 0.0, failed)]))
+    late = await stores().exchange(PickerUpdate("c", {}, replace=True))
+    assert [(s.seq, decode_scrape(s.payload)) for s in late.scrapes] == [(2, 3)]
+    assert late.peer_ids == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    "payload",
+    ["not json", '{"m": [1, 2]}', '{"failed": -1}',
+     '{"m": [-1, 0, 0.1, [], [], 0, null, null, 0, 0, null]}',
+     '{"m": [0, 0, NaN, [], [], 0, null, null, 0, 0, null]}'],
+)  # fmt: skip
+def test_a_malformed_shared_scrape_is_refused(payload: str) -> None:
+    with pytest.raises(ValueError, match="malformed shared scrape"):
+        decode_scrape(payload)
