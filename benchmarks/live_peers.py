@@ -375,10 +375,11 @@ def run_once(
         )
         per_pod = _delta(before, asyncio.run(pod_counters(pods.addresses)))
         cpu_after = [_cpu_seconds(pid) for pid in router_pids]
-        learned = asyncio.run(learned_costs(group))
+        pages = _picker_pages(group)
     summary = run_summary(results, per_pod, cfg.time_scale)
-    if learned:
-        summary["learned_cold_ttft_s"] = learned
+    if pages:
+        summary["learned_cold_ttft_s"] = learned_costs(pages)
+        summary.update({f"gateway_{k}": v for k, v in gateway_timings(pages).items()})
     summary.update(group_placement(requests, results, pods.addresses))
     deltas = [
         a - b for a, b in zip(cpu_after, cpu_before, strict=True) if a is not None and b is not None
@@ -390,28 +391,63 @@ def run_once(
 
 
 LEARNED_SERIES = "smart_epp_pod_learned_cold_ttft_seconds"
+# Histograms whose means say where a request's time goes inside the gateway: the whole
+# scheduling step, its tokenization, and Envoy's own time to first byte (from the access
+# log: client request start at Envoy to the pod's first body byte, ext_proc included).
+TIMING_SERIES = {
+    "inference_extension_scheduler_e2e_duration_seconds": "scheduling_s",
+    'inference_extension_plugin_duration_seconds{extension_point="Prepare",'
+    'plugin_name="tokenize"': "tokenize_s",
+    "llm_d_epp_request_ttft_seconds": "envoy_ttft_s",
+}
 
 
-async def learned_costs(group: ProcessGroup) -> dict[str, dict[str, float]]:
-    """Each `epp serve`'s learned cold-prompt TTFT per pod (picker name -> pod -> s), read
-    from its /metrics: with several replicas, how far apart their independent learning is."""
+def _picker_pages(group: ProcessGroup) -> dict[str, str]:
+    """Each `epp serve`'s /metrics page, by process name."""
+
+    async def fetch() -> dict[str, str]:
+        pages: dict[str, str] = {}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            for managed in group.processes:
+                argv = [str(a) for a in managed.process.args]
+                if "serve" not in argv or "--metrics-port" not in argv:
+                    continue
+                port = argv[argv.index("--metrics-port") + 1]
+                async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                    pages[managed.name] = await resp.text()
+        return pages
+
+    return asyncio.run(fetch())
+
+
+def learned_costs(pages: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Each `epp serve`'s learned cold-prompt TTFT per pod (picker name -> pod -> s): with
+    several replicas, how far apart their independent learning is."""
     out: dict[str, dict[str, float]] = {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        for managed in group.processes:
-            argv = [str(a) for a in managed.process.args]
-            if "serve" not in argv or "--metrics-port" not in argv:
-                continue
-            port = argv[argv.index("--metrics-port") + 1]
-            async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
-                page = await resp.text()
-            pods: dict[str, float] = {}
-            for line in page.splitlines():
-                if line.startswith(LEARNED_SERIES + "{"):
-                    labels, _, value = line.rpartition(" ")
-                    pod = labels.split('pod="', 1)[1].split('"', 1)[0]
-                    pods[pod] = float(value)
-            out[managed.name] = pods
+    for name, page in pages.items():
+        pods: dict[str, float] = {}
+        for line in page.splitlines():
+            if line.startswith(LEARNED_SERIES + "{"):
+                labels, _, value = line.rpartition(" ")
+                pod = labels.split('pod="', 1)[1].split('"', 1)[0]
+                pods[pod] = float(value)
+        out[name] = pods
     return out
+
+
+def gateway_timings(pages: dict[str, str]) -> dict[str, float]:
+    """Mean seconds per request of each TIMING_SERIES over all pickers (sum of the
+    histograms' _sum over sum of their _count, every label set of a series together)."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for page in pages.values():
+        for line in page.splitlines():
+            for series, key in TIMING_SERIES.items():
+                name, _, labels = series.partition("{")
+                for suffix, into in (("_sum", sums), ("_count", counts)):
+                    if line.startswith(name + suffix) and labels in line:
+                        into[key] = into.get(key, 0.0) + float(line.rpartition(" ")[2])
+    return {key: sums[key] / counts[key] for key in sums if counts.get(key)}
 
 
 def learned_spread(learned: dict[str, dict[str, float]]) -> float | None:
@@ -510,7 +546,8 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["not_clean"] = reasons
     for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "ttft_mean_s", "pod_ttft_mean_s",
                 "pod_prefix_hit_rate", "client_cached_token_rate", "load_imbalance",
-                "router_cpu_ms_per_request"):  # fmt: skip
+                "router_cpu_ms_per_request", "gateway_scheduling_s", "gateway_tokenize_s",
+                "gateway_envoy_ttft_s"):  # fmt: skip
         out[key] = _spread([r[key] for r in good if r.get(key) is not None])
     return out
 
@@ -605,6 +642,10 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1000:.0f}"
 
 
+def _ms1(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.1f}"
+
+
 def _run_line(router: str, load: float, rep: int, r: dict[str, Any], took: float) -> str:
     head = f"load {load:g} repeat {rep} {router:<26}"
     if not r["ok"]:
@@ -616,6 +657,13 @@ def _run_line(router: str, load: float, rep: int, r: dict[str, Any], took: float
         f"groups per pod {'/'.join(map(str, r.get('groups_per_pod', [])))}, "
         f"failed {r['failed']} ({took:.0f}s)"
         + (f", learned cold TTFT spread over pickers {spread:.2f}x" if spread else "")
+        + (
+            f", mean scheduling {_ms1(r['gateway_scheduling_s'])} ms (tokenize "
+            f"{_ms1(r.get('gateway_tokenize_s'))}), Envoy's TTFT "
+            f"{_ms1(r.get('gateway_envoy_ttft_s'))} ms"
+            if "gateway_scheduling_s" in r
+            else ""
+        )
     )
 
 
@@ -633,19 +681,28 @@ def render(doc: dict[str, Any]) -> str:
             return "-"
         return f"{client['median'] * 1000:.0f} / {pods['median'] * 1000:.0f}"
 
+    def gateway(row: dict[str, Any]) -> str:
+        scheduling, envoy = row.get("gateway_scheduling_s"), row.get("gateway_envoy_ttft_s")
+        if not scheduling:
+            return "-"
+        tokenize = row.get("gateway_tokenize_s")
+        text = f"{_ms1(scheduling['median'])} ({_ms1(tokenize['median'] if tokenize else None)})"
+        return text + (f" / {envoy['median'] * 1000:.0f}" if envoy else "")
+
     ms: Callable[[float], str] = lambda x: f"{x * 1000:.0f}"  # noqa: E731
     pct: Callable[[float], str] = lambda x: f"{x:.1%}"  # noqa: E731
     lines = [
         "| load (offered req/s) | router | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms "
         "| mean TTFT ms: client / at the pods | pods' prefix-hit rate "
-        "| router CPU ms per request | clean runs |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| router CPU ms per request | clean runs "
+        "| picker ms per request: scheduling (tokenize) / Envoy's mean TTFT |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for load, block in doc["by_load"].items():
         for router, row in block["routers"].items():
             if router in block["unavailable"]:
                 reason = block["unavailable"][router].splitlines()[0]
-                lines.append(f"| {load} | {router} | unavailable: {reason} | | | | | | 0 |")
+                lines.append(f"| {load} | {router} | unavailable: {reason} | | | | | | 0 | |")
                 continue
             lines.append(
                 f"| {load} ({block['offered_qps']:.1f}) | {router} "
@@ -653,7 +710,7 @@ def render(doc: dict[str, Any]) -> str:
                 f"| {cell(row['ttft_p99_s'], ms)} | {means(row)} "
                 f"| {cell(row['pod_prefix_hit_rate'], pct)} "
                 f"| {cell(row.get('router_cpu_ms_per_request'), lambda x: f'{x:.1f}')} "
-                f"| {row['clean_runs']}/{row['runs']} |"
+                f"| {row['clean_runs']}/{row['runs']} | {gateway(row)} |"
             )
     return "\n".join(lines)
 

@@ -100,6 +100,9 @@ SAMPLE_FIELDS = 6
 # Far below any difference predictions resolve (a million tokens: a microsecond), so it
 # only orders pods whose prices are otherwise equal.
 TIE_BREAK_S_PER_TOKEN = 1e-12
+# Likewise per second of prefill routed to a pod lately: orders pods whose prices, held
+# tokens included, are exactly equal.
+TIE_BREAK_S_PER_ROUTED_S = 1e-12
 
 
 class PredictedTTFTParams(PluginParams):
@@ -141,6 +144,19 @@ class PodModel:
     # When this gateway's requests to the pod ended: a scrape taken before that still
     # counts them, so they are taken off its queue.
     finished_at: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    # (routed at, predicted prefill seconds) this gateway sent the pod in the last
+    # UTILISATION_WINDOW_S, and their sum.
+    recent_prefill: deque[tuple[float, float]] = field(default_factory=deque)
+    recent_prefill_s: float = 0.0
+
+    def routed_prefill_s(self, now: float) -> float:
+        """Predicted prefill seconds this gateway routed to the pod in the last window."""
+        recent = self.recent_prefill
+        while recent and recent[0][0] <= now - UTILISATION_WINDOW_S:
+            self.recent_prefill_s -= recent.popleft()[1]
+        if not recent:
+            self.recent_prefill_s = 0.0
+        return self.recent_prefill_s
 
     def finished_since(self, t: float) -> int:
         finished = self.finished_at
@@ -514,9 +530,27 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             best_hit = max(hit_list)
             for i, held in enumerate(hit_list):
                 costs[i] += TIE_BREAK_S_PER_TOKEN * (best_hit - held)
+            self._break_ties_by_load(costs, pods, now)
         prediction = Prediction(ttfts, costs, hit_list, own_list, ahead_list, learnable_list, keys)
         ctx.scratch[SCRATCH_KEY] = (pods, prediction)
         return prediction
+
+    def _break_ties_by_load(self, costs: list[float], pods: Sequence[PodState], now: float) -> None:
+        """Pods still priced exactly alike (idle, alike in speed, holding the same) go to the
+        one sent the least prefill in the last second, by this picker and the others: a
+        prompt nothing holds starts a prefix its followers will come back to, and spreading
+        those starts is what keeps the pods' shares of the traffic even. Only exact ties,
+        so no difference the model prices is overridden."""
+        best = min(costs)
+        tied = [i for i, cost in enumerate(costs) if cost == best]
+        if len(tied) < 2:
+            return
+        for i in tied:
+            pod = pods[i]
+            model = self.pods.get(pod.endpoint.address)
+            routed_s = model.routed_prefill_s(now) if model is not None else 0.0
+            routed_s += pod.inflight.peer_prefill_rate * UTILISATION_WINDOW_S
+            costs[i] += TIE_BREAK_S_PER_ROUTED_S * routed_s
 
     def score(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[float]:
         if not pods:
@@ -564,6 +598,9 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         self.routed_prefixes.add(prediction.chunk_keys, address, ctx.now)
         self._recent_prefill.append((now, prefill_s))
         self._recent_prefill_s += prefill_s
+        model.routed_prefill_s(now)  # drops what left the window: the deque stays short
+        model.recent_prefill.append((now, prefill_s))
+        model.recent_prefill_s += prefill_s
         alpha = self.params.learningRate
         self.mean_uncached_tokens = _ewma(self.mean_uncached_tokens, max(1.0, tokens), alpha)
         self.mean_uncached_pairs = _ewma(self.mean_uncached_pairs, pairs, alpha)

@@ -53,6 +53,36 @@ def test_three_replicas_sharing_one_store_serve_the_workload_through_one_envoy()
     assert any(learned.values()) and all(
         0 < seconds < 10 for pods in learned.values() for seconds in pods.values()
     )
+    # Where the gateway's time went, from the pickers' own histograms: tokenizing is part
+    # of scheduling, which is part of the time Envoy saw to the first byte.
+    assert 0 < run["gateway_tokenize_s"] < run["gateway_scheduling_s"]
+    assert run["gateway_scheduling_s"] < run["gateway_envoy_ttft_s"] < 10
+
+
+def test_gateway_timings_average_every_picker_and_label_set():
+    tokenize = 'extension_point="Prepare",plugin_name="tokenize",plugin_type="tokenize"'
+    match = 'extension_point="Prepare",plugin_name="prefix-match",plugin_type="prefix-match"'
+    plugin = "inference_extension_plugin_duration_seconds"
+    ttft = "llm_d_epp_request_ttft_seconds"
+    page = "\n".join([
+        "inference_extension_scheduler_e2e_duration_seconds_sum 0.5",
+        "inference_extension_scheduler_e2e_duration_seconds_count 100.0",
+        f"{plugin}_sum{{{tokenize}}} 0.2",
+        f"{plugin}_count{{{tokenize}}} 100.0",
+        f"{plugin}_sum{{{match}}} 9.0",
+        f"{plugin}_count{{{match}}} 100.0",
+        f'{ttft}_sum{{streaming="false"}} 1.0',
+        f'{ttft}_count{{streaming="false"}} 10.0',
+        f'{ttft}_sum{{streaming="true"}} 7.0',
+        f'{ttft}_count{{streaming="true"}} 90.0',
+        "",
+    ])  # fmt: skip
+    other = page.replace(" 0.5\n", " 1.5\n")  # a second replica, slower to schedule
+    timings = live_peers.gateway_timings({"epp0": page, "epp1": other})
+    assert timings["scheduling_s"] == pytest.approx(0.01)
+    assert timings["tokenize_s"] == pytest.approx(0.002)  # prefix-match is not counted
+    assert timings["envoy_ttft_s"] == pytest.approx(0.08)
+    assert live_peers.gateway_timings({"epp0": "# nothing yet\n"}) == {}
 
 
 def test_learned_spread_is_the_widest_disagreement_over_pods():

@@ -249,6 +249,27 @@ def test_pods_priced_alike_go_to_the_one_holding_most_of_the_prompt():
     assert scores[1] == 1.0 > scores[2] > scores[0]
 
 
+def test_pods_priced_alike_go_to_the_one_sent_the_least_prefill_lately():
+    # Idle pods alike in speed and holding nothing price a new prompt the same: it goes to
+    # the pod this picker and the other pickers sent the least prefill in the last second,
+    # so that the prefixes new prompts start are spread over the pool.
+    s = scorer(runningRequestStepSeconds=0.0)
+    pods = [pod("a:1"), pod("b:1"), pod("c:1")]
+    for k, sent_to in enumerate((pods[0], pods[0], pods[1])):  # 0.1 s of prefill each
+        sent = ctx(1000, now=99.2 + 0.01 * k)
+        s.score(sent, [sent_to])
+        s.on_routed(sent, sent_to)
+    pods[2].inflight.peer_prefill_rate = 0.15  # another picker's share
+    c = ctx(1000, now=99.9)
+    ttfts = s.predict(c, pods).ttft_s
+    assert ttfts[0] == ttfts[1] == ttfts[2]  # answered all done: nothing ahead anywhere
+    scores = s.score(c, pods)
+    assert scores[1] == 1.0 > scores[2] > scores[0]
+    # Once this picker's sends have left the window, only the other picker's share counts.
+    later = s.score(ctx(1000, now=100.5), pods)
+    assert later[0] == later[1] == 1.0 > later[2]
+
+
 def test_a_busy_pool_waits_for_a_held_prefix_instead_of_computing_it_again():
     """a holds 1,984 of the prompt's 2,000 tokens behind 2 waiting requests; b is idle and
     would answer a moment sooner by computing all 2,000 again. An idle pool does that
