@@ -289,8 +289,10 @@ class LocalPoolStore:
         for scrape in update.scrapes:
             self._seq += 1
             self._scrapes[scrape.pod] = (self._seq, now - scrape.age_s, scrape)
-        scrapes = self._scrapes
-        for pod in [p for p, (_, taken, _) in scrapes.items() if now - taken > SCRAPE_FORGET_S]:
+        forgotten = [
+            p for p, (_, taken, _) in self._scrapes.items() if now - taken > SCRAPE_FORGET_S
+        ]
+        for pod in forgotten:
             del self._scrapes[pod]
         others = tuple(sorted(p for p in self._expires if p != me))
         view = PeerView(peers=len(others), peer_ids=others)
