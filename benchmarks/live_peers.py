@@ -8,6 +8,9 @@ profile, slowed by `--time-scale` so a shared machine keeps up), then one router
 of them, each its own process:
 
 - `smart-epp`: `epp serve` (default config, KV events from every pod) behind `epp envoy`;
+  with `--pod-tokenizer`, given the pods' tokenizer files as a deployment mounts them
+  (`--tokenizers-dir`), which it checks against the pods and then tokenizes with;
+- `smart-epp via /tokenize`: the same without the files (a pod's /tokenize per new prompt);
 - `smart-epp 3 replicas`: three such `epp serve` sharing pool state through one Valkey
   (`--shared-state redis`), each subscribed to every pod, behind one `epp envoy` that
   balances the ext_proc streams over them (the active-active deployment);
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import shutil
@@ -80,6 +84,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "live_peers.json"
 INSTALL_HINT = "not installed: pip install -e '.[peers]' (vllm-router, sglang-router)"
 ROUTER_NAMES = (
     "smart-epp",
+    "smart-epp via /tokenize",
     "smart-epp 3 replicas",
     "smart-epp 2 workers",
     "vllm-router cache_aware",
@@ -96,6 +101,9 @@ class Pods:
     addresses: list[str]
     kv_events: list[str]  # ZMQ PUB endpoint of each pod
     kv_replay: list[str]  # ZMQ ROUTER replay endpoint of each pod
+    # The pods' Hugging Face tokenizer folder, which smart-epp is given too (None: the
+    # simulator's built-in tokenizer, or a run that keeps the files from the picker).
+    tokenizer_files: Path | None = None
 
     @property
     def urls(self) -> list[str]:
@@ -120,6 +128,7 @@ def start_pods(
         addresses=[f"127.0.0.1:{http_base + i}" for i in range(count)],
         kv_events=[f"tcp://127.0.0.1:{kv_base + i}" for i in range(count)],
         kv_replay=[f"tcp://127.0.0.1:{kv_base + count + i}" for i in range(count)],
+        tokenizer_files=tokenizer,
     )
     for address in pods.addresses:
         wait_for(f"pod {address}", lambda a=address: http_ok(f"http://{a}/health"), sim, 60)
@@ -179,9 +188,23 @@ def _start_envoy(group: ProcessGroup, replicas: Sequence[str], *extra: str) -> s
     return f"http://127.0.0.1:{listen_port}"
 
 
+def _tokenizer_args(group: ProcessGroup, pods: Pods) -> tuple[str, ...]:
+    """Pods serving a Hugging Face tokenizer: its files reach the picker as a deployment
+    mounts them (`--tokenizers-dir`, `<model name>/tokenizer.json`); the picker checks
+    them against the pods' /tokenize before it tokenizes in-process."""
+    if pods.tokenizer_files is None:
+        return ()
+    root = group.workdir / "tokenizers"
+    if not (root / MODEL).exists():
+        (root / MODEL).parent.mkdir(parents=True, exist_ok=True)
+        (root / MODEL).symlink_to(pods.tokenizer_files.resolve(), target_is_directory=True)
+    return ("--tokenizers-dir", str(root))
+
+
 def start_smart_epp(group: ProcessGroup, pods: Pods) -> str:
     """`epp serve` with its default config behind `epp envoy`, as the README deploys it."""
-    address = _start_epp_serve(group, "epp", _endpoints_file(group, pods))
+    endpoints = _endpoints_file(group, pods)
+    address = _start_epp_serve(group, "epp", endpoints, *_tokenizer_args(group, pods))
     return _start_envoy(group, [address])
 
 
@@ -194,6 +217,7 @@ def start_smart_epp_replicas(group: ProcessGroup, pods: Pods, count: int = 3) ->
     wait_for("Valkey", lambda: answers(socket_path), store, 30)
     endpoints = _endpoints_file(group, pods)
     shared = ("--shared-state", "redis", "--redis-url", f"unix://{socket_path}")
+    shared += _tokenizer_args(group, pods)
     replicas = [_start_epp_serve(group, f"epp{i}", endpoints, *shared) for i in range(count)]
     return _start_envoy(group, replicas)
 
@@ -202,7 +226,9 @@ def start_smart_epp_workers(group: ProcessGroup, pods: Pods, workers: int = 2) -
     """One `epp serve --workers N`; Envoy's one thread would otherwise hold a single
     connection, which the kernel hands to one worker."""
     endpoints = _endpoints_file(group, pods)
-    address = _start_epp_serve(group, "epp", endpoints, "--workers", str(workers))
+    address = _start_epp_serve(
+        group, "epp", endpoints, "--workers", str(workers), *_tokenizer_args(group, pods)
+    )
     return _start_envoy(group, [address], "--epp-streams-per-connection", str(workers))
 
 
@@ -249,6 +275,10 @@ ROUTER_BINARIES = {
 
 ROUTERS: dict[str, Callable[[ProcessGroup, Pods], str]] = {
     "smart-epp": start_smart_epp,
+    # Without the pods' tokenizer files: every new prompt goes to a pod's /tokenize.
+    "smart-epp via /tokenize": lambda g, p: start_smart_epp(
+        g, dataclasses.replace(p, tokenizer_files=None)
+    ),
     "smart-epp 3 replicas": start_smart_epp_replicas,
     "smart-epp 2 workers": start_smart_epp_workers,
     "vllm-router cache_aware": lambda g, p: start_vllm_router(g, p, "cache_aware"),
@@ -291,6 +321,17 @@ def workload(cfg: BenchConfig, seed: int) -> list[TraceRequest]:
 def pool_capacity_tokens_per_s(cfg: BenchConfig) -> float:
     """Raw prefill capacity in wall-clock prompt tokens/s: no cache hits, no decode."""
     return cfg.pods / (PROFILES[PROFILE].prefill_s_per_token * cfg.time_scale)
+
+
+def count_pod_tokens(requests: Sequence[TraceRequest], tokenizer_dir: Path) -> None:
+    """Sets each request's prompt length to what pods with this tokenizer will see: a
+    BPE vocabulary splits the workload's words into several tokens each, and the offered
+    load must be computed from the tokens the pods prefill."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    for r in requests:
+        r.input_tokens = len(tok.encode(r.text(), add_special_tokens=True).ids)
 
 
 def qps_for_load(cfg: BenchConfig, requests: Sequence[TraceRequest], load: float) -> float:
@@ -380,6 +421,7 @@ def run_once(
     if pages:
         summary["learned_cold_ttft_s"] = learned_costs(pages)
         summary.update({f"gateway_{k}": v for k, v in gateway_timings(pages).items()})
+        summary["gateway_tokenizer_discovery"] = tokenizer_outcomes(pages)
     summary.update(group_placement(requests, results, pods.addresses))
     deltas = [
         a - b for a, b in zip(cpu_after, cpu_before, strict=True) if a is not None and b is not None
@@ -448,6 +490,20 @@ def gateway_timings(pages: dict[str, str]) -> dict[str, float]:
                     if line.startswith(name + suffix) and labels in line:
                         into[key] = into.get(key, 0.0) + float(line.rpartition(" ")[2])
     return {key: sums[key] / counts[key] for key in sums if counts.get(key)}
+
+
+DISCOVERY_SERIES = "smart_epp_tokenizer_discovery_total"
+
+
+def tokenizer_outcomes(pages: dict[str, str]) -> list[str]:
+    """How each picker tokenized: the tokenizer-discovery outcomes its page counts
+    (`trusted`: in-process after agreeing with the pods), none: only through the pods."""
+    found = set()
+    for page in pages.values():
+        for line in page.splitlines():
+            if line.startswith(DISCOVERY_SERIES + "{") and float(line.rpartition(" ")[2]) > 0:
+                found.add(line.split('result="', 1)[1].split('"', 1)[0])
+    return sorted(found)
 
 
 def learned_spread(learned: dict[str, dict[str, float]]) -> float | None:
@@ -586,6 +642,8 @@ def run_bench(
     offered: dict[str, dict[str, float]] = {}
     for rep in range(repeats):
         requests = workload(cfg, seed=rep)
+        if cfg.pod_tokenizer is not None:
+            count_pod_tokens(requests, cfg.pod_tokenizer)
         for load in loads:
             qps = qps_for_load(cfg, requests, load)
             offered[f"{load:g}"] = {"qps": qps}
@@ -664,6 +722,11 @@ def _run_line(router: str, load: float, rep: int, r: dict[str, Any], took: float
             if "gateway_scheduling_s" in r
             else ""
         )
+        + (
+            f", tokenizer found on disk: {'/'.join(r['gateway_tokenizer_discovery'])}"
+            if r.get("gateway_tokenizer_discovery")
+            else ""
+        )
     )
 
 
@@ -717,7 +780,14 @@ def render(doc: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--routers", nargs="+", choices=ROUTER_NAMES, default=list(ROUTER_NAMES))
+    p.add_argument(
+        "--routers",
+        nargs="+",
+        choices=ROUTER_NAMES,
+        default=[r for r in ROUTER_NAMES if r != "smart-epp via /tokenize"],
+        help="default: all but `smart-epp via /tokenize`, which differs from `smart-epp` "
+        "only with --pod-tokenizer",
+    )
     p.add_argument("--loads", nargs="+", type=float, default=[0.4, 0.8],
                    help="offered load, fractions of the pool's raw prefill capacity")  # fmt: skip
     p.add_argument("--repeats", type=int, default=3)
@@ -735,8 +805,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         metavar="DIR",
         help="a Hugging Face model folder the pods tokenize with (default: the simulator's "
-        "built-in tokenizer); a real BPE tokenizer makes the same text several times more "
-        "tokens, so the load is several times higher",
+        "built-in tokenizer); loads are then computed from the tokens it makes, and "
+        "smart-epp gets the same files (--tokenizers-dir), as a deployment mounts them",
     )
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)

@@ -41,6 +41,7 @@ from ..kv_index.lookup import IndexPrefixMatcher, ModelOf
 from ..kv_index.memory import DEFAULT_SPECULATIVE_TTL_S
 from .config import LoadedConfig, PluginSet, Profile, instantiate, load_config
 from .tokenization import LocalTokenizer, PodTokenizer, TokenizerRouter
+from .tokenizer_discovery import TokenizerDiscovery
 
 log = logging.getLogger(__name__)
 
@@ -429,8 +430,13 @@ class PipelineScheduler:
 # --------------------------------------------------------------------------- construction
 
 
-def tokenizer_from_config(plugins: PluginSet, base_model: str | None = None) -> TokenizerRouter:
-    """Local tokenizers from `local-tokenizer` plugins; /tokenize via a pod for the rest."""
+def tokenizer_from_config(
+    plugins: PluginSet,
+    base_model: str | None = None,
+    discovery: TokenizerDiscovery | None = None,
+) -> TokenizerRouter:
+    """Local tokenizers from `local-tokenizer` plugins; for the rest, one found on disk
+    (`discovery`, once it agrees with the pods) or /tokenize via a pod."""
     local: dict[str, LocalTokenizer] = {}
     for plugin in plugins.of_type("local-tokenizer"):
         p = plugin.params
@@ -457,7 +463,7 @@ def tokenizer_from_config(plugins: PluginSet, base_model: str | None = None) -> 
         fallback = PodTokenizer(cache_bytes=p.cacheBytes, timeout_s=p.timeoutSeconds)
     else:
         fallback = PodTokenizer()
-    return TokenizerRouter(local, fallback, base_model)
+    return TokenizerRouter(local, fallback, base_model, discovery)
 
 
 def _configured_block_size(plugins: PluginSet) -> int | None:
@@ -486,6 +492,7 @@ def build_scheduler(
     registry: CollectorRegistry = REGISTRY,
     record_e2e: bool = True,
     speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
+    tokenizer_discovery: TokenizerDiscovery | None = None,
 ) -> PipelineScheduler:
     """Builds the scheduler for a config (a built-in name, a YAML path, or loaded config).
 
@@ -496,7 +503,9 @@ def build_scheduler(
       `base_model` names the base model for adapter requests when pods' events do not.
     - `tokenizer`: None = from the config (local-tokenizer plugins, else a pod's /tokenize),
       only when a plugin needs token ids; False = never tokenize (replays whose requests
-      carry token ids); or any `PromptTokenizer`.
+      carry token ids); or any `PromptTokenizer`. `tokenizer_discovery` (with None) lets
+      a model with no local-tokenizer plugin use its tokenizer found on disk once that
+      agrees with the pods.
     - Block sizes: from the pod's events, else its /metrics cache_config_info, else the
       config's `blockSize`, else 16.
     - `clock`: monotonic seconds, or a virtual clock in a replay.
@@ -527,7 +536,7 @@ def build_scheduler(
     )
     if tokenizer is None or tokenizer is True:
         if scheduler.needs_tokens:
-            scheduler.tokenizer = tokenizer_from_config(plugins, base_model)
+            scheduler.tokenizer = tokenizer_from_config(plugins, base_model, tokenizer_discovery)
     elif tokenizer is not False:
         scheduler.tokenizer = tokenizer
     return scheduler

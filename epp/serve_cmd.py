@@ -35,7 +35,7 @@ from .config import BUILTIN_CONFIGS, ConfigError, load_config
 from .datastore import Datastore
 from .discovery import EndpointsFileWatcher, endpoints_from_addresses, parse_address
 from .drain import DEFAULT_DRAIN_NOTICE_S, DEFAULT_DRAIN_TIMEOUT_S, drain
-from .flags import add_secure_serving
+from .flags import add_secure_serving, boolean
 from .flow import RequestFlow
 from .flowcontrol.admission import AdmissionController
 from .flowcontrol.build import build_admission, flow_control_enabled
@@ -68,6 +68,7 @@ from .shared_state.sync import DEFAULT_MAX_STALENESS_S as DEFAULT_SHARED_MAX_STA
 from .shared_state.wiring import SharedStateKind, connect_shared_state
 from .tls import TlsOptions, server_credentials
 from .tokenization import TokenizerRouter
+from .tokenizer_discovery import TokenizerDiscovery
 from .traffic_recorder import TrafficRecorder
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,10 @@ class ServeOptions:
     # ext_proc port with SO_REUSEPORT and hands access-log records it did not route on.
     reuse_port: bool = False
     hand_on_records: bool = False
+    # Models with no local-tokenizer plugin: look for their tokenizer in these folders and
+    # the Hugging Face hub cache, and use it once it agrees with the pods.
+    tokenizer_discovery: bool = True
+    tokenizers_dirs: tuple[Path, ...] = ()
 
 
 def _start_tracing(
@@ -271,6 +276,9 @@ async def serve(
         registry=metrics.registry,
         record_e2e=False,  # the server times the whole scheduling call under that name
         fallbacks=options.fallbacks,
+        tokenizer_discovery=(
+            TokenizerDiscovery(options.tokenizers_dirs) if options.tokenizer_discovery else None
+        ),
     )
     metrics.registry.register(LearnedCosts(lambda: list(scheduler.plugins.plugins.values())))
     if shared is not None:
@@ -814,6 +822,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="how often every pod's /v1/models (base model, LoRA adapters) is polled "
         "(default %(default)s)",
     )
+    tokens = parser.add_argument_group("tokenization (for the precise prefix scorers)")
+    tokens.add_argument(
+        "--tokenizer-discovery",
+        type=boolean,
+        nargs="?",
+        const=True,
+        default=True,
+        metavar="true|false",
+        help="for a model no local-tokenizer plugin names, look for its tokenizer in "
+        "--tokenizers-dir folders and the Hugging Face hub cache, check it against the "
+        "pods' /tokenize on a few requests, then tokenize in-process (default true)",
+    )
+    tokens.add_argument(
+        "--tokenizers-dir",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="DIR",
+        help="a folder holding <model name>/tokenizer.json (and its chat template), as a "
+        "Hugging Face download lays it out; repeatable",
+    )
     record = parser.add_argument_group("traffic recording (for epp replay --format recorded)")
     record.add_argument(
         "--record-traffic",
@@ -943,6 +972,8 @@ def run(args: argparse.Namespace) -> int:
         else DEFAULT_SHARED_MAX_STALENESS_S,
         reuse_port=args.reuse_port,
         hand_on_records=args.hand_on_records,
+        tokenizer_discovery=args.tokenizer_discovery,
+        tokenizers_dirs=tuple(args.tokenizers_dir),
     )
     if args.workers > 1:
         from .workers import run_workers

@@ -17,16 +17,19 @@ were seen before only tokenizes its new turns.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
+import threading
 import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import aiohttp
 import msgspec
@@ -46,6 +49,9 @@ from .chat_render import (
     trim_to_final_message,
 )
 
+if TYPE_CHECKING:
+    from .tokenizer_discovery import TokenizerDiscovery
+
 log = logging.getLogger(__name__)
 
 TOKENIZE_TOTAL = Counter(
@@ -59,33 +65,39 @@ V = TypeVar("V")
 
 
 class LRUCache(Generic[K, V]):
-    """A least-recently-used map bounded by the total weight of its values."""
+    """A least-recently-used map bounded by the total weight of its values.
+
+    Safe to share between the event loop and the tokenizer thread (large prompts are
+    tokenized off the loop): every operation holds a lock for a few dictionary steps."""
 
     def __init__(self, max_weight: int, weigh: Callable[[K, V], int]) -> None:
         self.max_weight = max_weight
         self.weight = 0
         self._weigh = weigh
         self._data: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, key: K) -> V | None:
-        found = self._data.get(key)
-        if found is None:
-            return None
-        self._data.move_to_end(key)
-        return found[0]
+        with self._lock:
+            found = self._data.get(key)
+            if found is None:
+                return None
+            self._data.move_to_end(key)
+            return found[0]
 
     def put(self, key: K, value: V) -> None:
         weight = self._weigh(key, value)
         if weight > self.max_weight:
             return  # larger than the whole cache: keeping it would evict everything
-        old = self._data.pop(key, None)
-        if old is not None:
-            self.weight -= old[1]
-        self._data[key] = (value, weight)
-        self.weight += weight
-        while self.weight > self.max_weight:
-            _, (_, dropped) = self._data.popitem(last=False)
-            self.weight -= dropped
+        with self._lock:
+            old = self._data.pop(key, None)
+            if old is not None:
+                self.weight -= old[1]
+            self._data[key] = (value, weight)
+            self.weight += weight
+            while self.weight > self.max_weight:
+                _, (_, dropped) = self._data.popitem(last=False)
+                self.weight -= dropped
 
     def __len__(self) -> int:
         return len(self._data)
@@ -125,6 +137,22 @@ def request_cache_key(request: LLMRequest) -> bytes | None:
 
 # --------------------------------------------------------------------------- local
 
+# Bodies larger than this are tokenized on a worker thread: the tokenizers library
+# releases the GIL while it encodes, so a long new prompt (tens of milliseconds of BPE)
+# does not stall every other request's decision. Smaller ones stay on the event loop,
+# where they cost less than the hand-off.
+OFFLOAD_BODY_BYTES = 16 * 1024
+_worker: ThreadPoolExecutor | None = None
+
+
+def tokenizer_thread() -> ThreadPoolExecutor:
+    """The one thread large prompts are tokenized on (one: encodes are already parallel
+    inside the library, and the caches stay simple)."""
+    global _worker
+    if _worker is None:
+        _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+    return _worker
+
 
 def _raise_exception(message: str) -> None:
     raise ValueError(message)
@@ -158,6 +186,35 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
+# Long texts are tokenized in chunks of about this many characters (see _encode_text).
+CHUNK_CHARS = 1024
+
+
+def _chunks(text: str, size: int) -> list[str]:
+    """`text` cut about every `size` characters, each cut just before a space that follows
+    a non-space and precedes a letter. Cuts depend only on the text before them, so two
+    texts sharing a prefix share its chunks."""
+    out: list[str] = []
+    start, end = 0, len(text)
+    while end - start > 2 * size:
+        at = start + size
+        cut = -1
+        while True:
+            at = text.find(" ", at, end - 1)
+            if at < 0:
+                break
+            if not text[at - 1].isspace() and text[at + 1].isalpha():
+                cut = at
+                break
+            at += 1
+        if cut < 0:
+            break
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return out
+
+
 class LocalTokenizer:
     """One model's tokenizer and chat template, in-process."""
 
@@ -187,6 +244,7 @@ class LocalTokenizer:
             else None
         )
         self._prefix, self._suffix = self._special_affixes()
+        self._chunked = self._chunking_is_exact()
         self._segmented = self._split is not None and self._segmenting_is_exact()
 
     @classmethod
@@ -244,7 +302,7 @@ class LocalTokenizer:
         assert self._split is not None
         pieces = self._split.split(text)
         if len(pieces) == 1:  # no special token: the request-level cache covers it
-            return self._tok.encode(text, add_special_tokens=False).ids
+            return self._encode_text(text)
         out: list[int] = []
         for piece in pieces:
             if not piece:
@@ -255,15 +313,48 @@ class LocalTokenizer:
                 continue
             ids = self._segments.get(piece)
             if ids is None:
-                ids = _pack(self._tok.encode(piece, add_special_tokens=False).ids)
+                ids = _pack(self._encode_text(piece))
                 self._segments.put(piece, ids)
             out.extend(ids)
         return out
 
+    def _chunking_is_exact(self) -> bool:
+        # Cutting text before a space that follows a word and precedes a letter keeps
+        # every pre-token whole for regex pre-tokenizers (GPT-2, Llama 3, Qwen), where a
+        # space starts the next word's pre-token; not for ones that add a marker at the
+        # start of the text (Metaspace "first") or merge across spaces. Check on a probe
+        # with the cut far smaller than in use, so it is cut at many places.
+        probe = (
+            "The picker routes 128 requests/s: it's cheap, isn't it? Yes -- mostly. "
+            "Prefix caches hold KV blocks;  two  spaces,\ttabs\nand new lines\n\n end. "
+            "Ünïcödé wörds, 数字 123456 and émojis 🙂 follow: x=y+1, {'key': [1, 2]}."
+        ) * 3
+        whole = self._tok.encode(probe, add_special_tokens=False).ids
+        pieces = [self._tok.encode(c, add_special_tokens=False).ids for c in _chunks(probe, 8)]
+        return len(pieces) > 10 and [i for p in pieces for i in p] == whole
+
+    def _encode_text(self, text: str) -> list[int]:
+        """Text without special tokens. A long text is cut into chunks at word starts,
+        each tokenized once and cached: prompts sharing a long prefix (a system prompt,
+        a document) only tokenize what follows it."""
+        if not self._chunked or len(text) <= 2 * CHUNK_CHARS:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        out: list[int] = []
+        for chunk in _chunks(text, CHUNK_CHARS):
+            ids = self._segments.get(chunk)
+            if ids is None:
+                ids = _pack(self._tok.encode(chunk, add_special_tokens=False).ids)
+                self._segments.put(chunk, ids)
+            out.extend(ids)
+        return out
+
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        if not self._segmented:
+        if self._segmented:
+            body = self._encode_segmented(text)
+        elif self._chunked:
+            body = self._encode_text(text)
+        else:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        body = self._encode_segmented(text)
         return [*self._prefix, *body, *self._suffix] if add_special_tokens else body
 
     def render_chat(
@@ -313,6 +404,9 @@ class LocalTokenizer:
 
     async def tokenize(self, request: LLMRequest, pods: Sequence[PodState]) -> list[int] | None:
         try:
+            if len(request.body) > OFFLOAD_BODY_BYTES:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(tokenizer_thread(), self.tokenize_sync, request)
             return self.tokenize_sync(request)
         except Exception as exc:  # a template error must not fail the request
             TOKENIZE_TOTAL.labels("local", "error").inc()
@@ -476,18 +570,23 @@ class PodTokenizer:
 
 
 class TokenizerRouter:
-    """Local tokenizers for the models that have one; a pod's /tokenize for the rest."""
+    """Local tokenizers for the models that have one; a pod's /tokenize for the rest.
+
+    With `discovery`, a model with no configured local tokenizer gets one found on disk
+    once it has agreed with the pods (`epp.tokenizer_discovery`)."""
 
     def __init__(
         self,
         local: Mapping[str, LocalTokenizer],
         fallback: PromptTokenizer | None,
         base_model: str | None = None,
+        discovery: TokenizerDiscovery | None = None,
     ) -> None:
         self.local = dict(local)
         self.fallback = fallback
         # An adapter request names the adapter as its model; it shares the base's tokenizer.
         self.base_model = base_model
+        self.discovery = discovery
 
     async def tokenize(self, request: LLMRequest, pods: Sequence[PodState]) -> list[int] | None:
         if request.prompt_token_ids is not None:
@@ -497,11 +596,18 @@ class TokenizerRouter:
             local = self.local.get(self.base_model)
         if local is not None:
             return await local.tokenize(request, pods)
+        if self.discovery is not None:
+            model = request.model
+            if request.adapter is not None and self.base_model is not None:
+                model = self.base_model
+            return await self.discovery.tokenize(model, request, pods, self.fallback)
         if self.fallback is not None:
             return await self.fallback.tokenize(request, pods)
         return None
 
     async def aclose(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.aclose()
         close = getattr(self.fallback, "aclose", None)
         if close is not None:
             await close()

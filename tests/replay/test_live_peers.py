@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from support.paths import TINY_MODEL
 
 from smart_epp.benchmarks import live_peers
 from smart_epp.benchmarks.live_peers import BenchConfig, aggregate, compare, render, run_bench
@@ -57,6 +58,31 @@ def test_three_replicas_sharing_one_store_serve_the_workload_through_one_envoy()
     # of scheduling, which is part of the time Envoy saw to the first byte.
     assert 0 < run["gateway_tokenize_s"] < run["gateway_scheduling_s"]
     assert run["gateway_scheduling_s"] < run["gateway_envoy_ttft_s"] < 10
+
+
+@pytest.mark.envoy
+def test_given_the_pods_tokenizer_files_smart_epp_checks_them_then_tokenizes_itself():
+    # Pods tokenizing with a real BPE tokenizer; the picker finds the same files under
+    # --tokenizers-dir and must agree with the pods' /tokenize before it uses them.
+    cfg = BenchConfig(
+        pods=2, requests=16, groups=2, system_len=300, question_len=50, output_len=4,
+        pod_tokenizer=TINY_MODEL,
+    )  # fmt: skip
+    doc = run_bench(
+        cfg, ["smart-epp", "smart-epp via /tokenize"], [0.4], repeats=1, log=lambda _: None
+    )
+    runs = doc["by_load"]["0.4"]["runs"]
+    (own,) = runs["smart-epp"]
+    (asked,) = runs["smart-epp via /tokenize"]
+    assert own["ok"] and own["failed"] == 0 and asked["ok"] and asked["failed"] == 0
+    assert own["gateway_tokenizer_discovery"] == ["trusted"]
+    assert asked["gateway_tokenizer_discovery"] == ["not_found"]
+    # Either way the token ids are the pods' own, so the system prompts are found cached.
+    assert 0.5 < own["pod_prefix_hit_rate"] < 1.0
+    assert 0.5 < asked["pod_prefix_hit_rate"] < 1.0
+    # The load is computed from the tokens the pods see, several per generated word.
+    block = doc["by_load"]["0.4"]
+    assert block["offered_qps"] < 0.5 * (0.4 * 12_500 / 350)
 
 
 def test_gateway_timings_average_every_picker_and_label_set():

@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from sched_helpers import LocalHTTPServer, pod, request
 from support.paths import TINY_MODEL, VLLM_FIXTURES
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from smart_epp.epp.tokenization import (
+    CHUNK_CHARS,
+    OFFLOAD_BODY_BYTES,
     LocalTokenizer,
     PodTokenizer,
     TokenizerRouter,
     decode_tokenize_answer,
 )
+from smart_epp.epp.tokenizer_discovery import TokenizerDiscovery, find_model_dir, hub_cache_dir
 from smart_epp.framework.types import LLMRequest
 
 
@@ -208,3 +219,212 @@ def test_a_tokenize_answer_without_an_id_list_is_refused(answer: bytes) -> None:
 def test_a_tokenize_answer_gives_its_ids() -> None:
     answer = b'{"count": 3, "max_model_len": 2048, "tokens": [5, 0, 70000]}'
     assert decode_tokenize_answer(answer).tokens == [5, 0, 70000]
+
+
+# ------------------------------------------------------------------ found on disk
+
+
+async def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.005)
+
+
+def tiny_rows() -> list[dict]:
+    return [r for r in recorded_requests() if r["request"]["model"] == "tiny"]
+
+
+def tokenizers_dir(tmp_path: Path) -> Path:
+    """A folder laid out as `--tokenizers-dir` expects: <model name>/tokenizer.json."""
+    root = tmp_path / "tokenizers"
+    root.mkdir()
+    (root / "tiny").symlink_to(TINY_MODEL, target_is_directory=True)
+    return root
+
+
+async def test_a_tokenizer_found_on_disk_is_used_once_it_agrees_with_the_pods(
+    tmp_path, tokenize_pods
+):
+    _, good = tokenize_pods
+    pods = [pod(good.address)]
+    discovery = TokenizerDiscovery([tokenizers_dir(tmp_path)], hub_cache=False)
+    router = TokenizerRouter({}, PodTokenizer(), discovery=discovery)
+    rows = tiny_rows()
+    assert len(rows) >= 8
+    try:
+        # Until the files are loaded and checked, every prompt goes to a pod.
+        first = rows[0]
+        assert await router.tokenize(as_request(first), pods) == first["prompt_token_ids"]
+        await wait_until(lambda: discovery.state("tiny") != "searching")
+        assert discovery.state("tiny") == "verifying"
+        for row in rows[1:4]:
+            assert await router.tokenize(as_request(row), pods) == row["prompt_token_ids"]
+            await wait_until(lambda: not discovery._models["tiny"].checking)
+        assert discovery.state("tiny") == "trusted"
+        asked = len(good.bodies)
+        for row in rows[4:]:
+            assert await router.tokenize(as_request(row), pods) == row["prompt_token_ids"]
+        assert len(good.bodies) == asked  # in-process from now on
+    finally:
+        await router.aclose()
+
+
+async def test_a_tokenizer_that_disagrees_with_the_pods_is_never_used(tmp_path):
+    rows = tiny_rows()
+    # Pods serving another revision of the model: every id differs from the files'.
+    answers = {
+        json.dumps(r["tokenize_request"], sort_keys=True): {
+            **r["tokenize_response"],
+            "tokens": [t + 1 for t in r["tokenize_response"]["tokens"]],
+        }
+        for r in rows
+    }
+    other = TokenizePod(answers)
+    await other.start()
+    discovery = TokenizerDiscovery([tokenizers_dir(tmp_path)], hub_cache=False)
+    router = TokenizerRouter({}, PodTokenizer(), discovery=discovery)
+    pods = [pod(other.address)]
+    try:
+        await router.tokenize(as_request(rows[0]), pods)
+        await wait_until(lambda: discovery.state("tiny") != "searching")
+        shifted = [t + 1 for t in rows[1]["prompt_token_ids"]]
+        assert await router.tokenize(as_request(rows[1]), pods) == shifted
+        await wait_until(lambda: discovery.state("tiny") != "verifying")
+        assert discovery.state("tiny") == "rejected"
+        for row in rows[2:6]:
+            got = await router.tokenize(as_request(row), pods)
+            assert got == [t + 1 for t in row["prompt_token_ids"]]  # still the pods' ids
+    finally:
+        await router.aclose()
+        await other.stop()
+
+
+async def test_a_model_with_no_tokenizer_on_disk_stays_on_the_pods(tmp_path, tokenize_pods):
+    _, good = tokenize_pods
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    discovery = TokenizerDiscovery([empty], hub_cache=False)
+    router = TokenizerRouter({}, PodTokenizer(), discovery=discovery)
+    rows = tiny_rows()
+    try:
+        await router.tokenize(as_request(rows[0]), [pod(good.address)])
+        await wait_until(lambda: discovery.state("tiny") != "searching")
+        assert discovery.state("tiny") == "not_found"
+        assert (
+            await router.tokenize(as_request(rows[1]), [pod(good.address)])
+            == (rows[1]["prompt_token_ids"])
+        )
+        assert len(good.bodies) == 2
+    finally:
+        await router.aclose()
+
+
+def test_the_hub_cache_is_searched_by_model_name(tmp_path):
+    # The layout `hf download org/name` leaves: refs/main names the snapshot.
+    repo = tmp_path / "hub" / "models--org--tiny-chat"
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    (snapshot / "tokenizer.json").write_text((TINY_MODEL / "tokenizer.json").read_text())
+    assert hub_cache_dir("org/tiny-chat", cache_dir=tmp_path / "hub") == snapshot
+    assert hub_cache_dir("org/other", cache_dir=tmp_path / "hub") is None
+    assert hub_cache_dir("not a repo id!", cache_dir=tmp_path / "hub") is None
+    # A --tokenizers-dir is searched before the hub.
+    root = tokenizers_dir(tmp_path)
+    assert find_model_dir("tiny", [root], hub_cache=False) == root / "tiny"
+    assert find_model_dir("org/tiny-chat", [root], hub_cache=False) is None
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop(local):
+    text = "the quick brown fox jumps over the lazy dog " * 600
+    long = dataclasses.replace(request(prompt=text), body=json.dumps({"prompt": text}).encode())
+    assert len(long.body) > OFFLOAD_BODY_BYTES
+    order: list[str] = []
+
+    async def tokenize_long() -> None:
+        ids = await local.tokenize(long, [])
+        assert ids == local._tok.encode(text, add_special_tokens=True).ids
+        order.append("long prompt")
+
+    async def other_request() -> None:
+        await asyncio.sleep(0)
+        order.append("other request")
+
+    await asyncio.gather(tokenize_long(), other_request())
+    # On the loop, the long prompt would have finished before anything else ran.
+    assert order == ["other request", "long prompt"]
+
+
+async def test_a_trusted_tokenizer_is_dropped_when_the_pods_change_revision(
+    tmp_path, tokenize_pods
+):
+    _, good = tokenize_pods
+    pods = [pod(good.address)]
+    discovery = TokenizerDiscovery(
+        [tokenizers_dir(tmp_path)], hub_cache=False, verify_requests=1, recheck_every=2
+    )
+    router = TokenizerRouter({}, PodTokenizer(), discovery=discovery)
+    rows = tiny_rows()
+    try:
+        await router.tokenize(as_request(rows[0]), pods)
+        await wait_until(lambda: discovery.state("tiny") != "searching")
+        await router.tokenize(as_request(rows[1]), pods)
+        await wait_until(lambda: discovery.state("tiny") == "trusted")
+        # The pods roll to another revision: their ids no longer match the files'.
+        for key, answer in list(good.answers.items()):
+            good.answers[key] = {**answer, "tokens": [t + 1 for t in answer["tokens"]]}
+        for row in rows[2:6]:
+            await router.tokenize(as_request(row), pods)
+            await wait_until(lambda: not discovery._models["tiny"].checking)
+        assert discovery.state("tiny") == "rejected"
+        fresh = rows[6]
+        got = await router.tokenize(as_request(fresh), pods)
+        assert got == [t + 1 for t in fresh["prompt_token_ids"]]
+    finally:
+        await router.aclose()
+
+
+WORDS = st.sampled_from(
+    ["route", "pod", "cache", "KV", "it's", "128", "x=1;", "--", "Ünï", "数字", "🙂", "a"]
+)
+SEPARATORS = st.sampled_from([" ", " ", " ", "  ", "\n", "\t", ", ", ". "])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(WORDS, SEPARATORS), min_size=200, max_size=1500))
+def test_long_text_tokenized_in_chunks_matches_the_whole(local, parts):
+    text = "".join(w + s for w, s in parts)
+    whole = local._tok.encode(text, add_special_tokens=True).ids
+    assert local.encode(text, add_special_tokens=True) == whole
+
+
+def test_a_shared_long_prefix_is_tokenized_once(local):
+    system = "You route prompts to the pod that holds their prefix. " * 400
+    local.encode(system + "first question about caches", add_special_tokens=True)
+    chunks_before = len(local._segments)
+    second = system + "a second, different question"
+    ids = local.encode(second, add_special_tokens=True)
+    assert ids == local._tok.encode(second, add_special_tokens=True).ids
+    # Only the chunk holding the new question was tokenized (and cached) again.
+    assert len(local._segments) - chunks_before == 1
+    assert len(system) > 10 * CHUNK_CHARS
+
+
+def test_a_tokenizer_that_merges_across_spaces_is_not_chunked():
+    # No pre-tokenizer: the whole text is one word, so chunks would tokenize differently.
+    one_word = Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    assert not LocalTokenizer(one_word, None)._chunked
+    split = Tokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    split.pre_tokenizer = WhitespaceSplit()
+    assert LocalTokenizer(split, None)._chunked
+
+
+def test_a_model_name_never_leads_out_of_the_tokenizers_dirs(tmp_path):
+    root = tokenizers_dir(tmp_path)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "tokenizer.json").write_text("{}")
+    assert find_model_dir("../elsewhere", [root], hub_cache=False) is None
+    assert find_model_dir(str(outside), [root], hub_cache=False) is None
