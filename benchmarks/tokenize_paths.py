@@ -2,11 +2,14 @@
 
 One `epp sim` pod serving the fixture model's tokenizer (a real Hugging Face
 tokenizer.json and chat template), and in this process the two tokenizers the scheduler
-can use: `PodTokenizer` (POST /tokenize, the default) and `LocalTokenizer` (the same
-tokenizer.json through the `tokenizers` library). Each is asked for the same prompts,
-completions and chat, every prompt new (a cache miss: the cost a new prefix pays) and then
-every prompt again (a cache hit). Reported per call: wall-clock latency p50/p99 and this
-process's CPU time (what the picker itself spends), and whether both gave the same ids.
+can use: `PodTokenizer` (POST /tokenize, used when the picker has no tokenizer files) and
+`LocalTokenizer` (the same tokenizer.json through the `tokenizers` library). Each is
+asked for the same prompts, completions and chat: every prompt new (a cache miss: the
+cost a new prefix pays), then every prompt again (a cache hit), then new prompts sharing
+one long system text (the local tokenizer reuses the shared text's cached chunks; a
+pod's /tokenize answers each whole). Reported per call: wall-clock latency p50/p99 and
+this process's CPU time (what the picker itself spends), and whether both gave the same
+ids.
 
     .venv/bin/python benchmarks/tokenize_paths.py [--quick]
 """
@@ -65,6 +68,29 @@ def requests(count: int, words: int) -> list[LLMRequest]:
     return out
 
 
+def shared_prefix_requests(count: int, words: int) -> list[LLMRequest]:
+    """New prompts that share one long system text (a system prompt, a document) and
+    differ in a question a fifteenth as long: what a shared-prefix workload asks."""
+    shared = prompt_text(10_000, words)
+    out = []
+    for i in range(count):
+        question = prompt_text(20_000 + i, max(1, words // 15))
+        if i % 2:
+            messages = [
+                {"role": "system", "content": shared},
+                {"role": "user", "content": question},
+            ]
+            out.append(
+                LLMRequest(f"s{i}", "/v1/chat/completions", Api.CHAT, "tiny", messages=messages)
+            )
+        else:
+            prompt = f"{shared} {question}"
+            out.append(
+                LLMRequest(f"s{i}", "/v1/completions", Api.COMPLETIONS, "tiny", prompt=prompt)
+            )
+    return out
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -103,9 +129,31 @@ async def measure(address: str, count: int, words: int) -> dict[str, object]:
     local_miss, local_ids = await run_tokenizer(local, batch, pods)
     pod_hit, _ = await run_tokenizer(pod, batch, pods)
     local_hit, _ = await run_tokenizer(local, batch, pods)
+    shared = shared_prefix_requests(count, words)
+    pod_shared, pod_shared_ids = await run_tokenizer(pod, shared, pods)
+    local_shared, local_shared_ids = await run_tokenizer(local, shared, pods)
     await pod.aclose()
-    out["pod_tokenize_http"] = {"new_prompt": pod_miss, "repeated_prompt": pod_hit}
-    out["local_tokenizer"] = {"new_prompt": local_miss, "repeated_prompt": local_hit}
+    out["pod_tokenize_http"] = {
+        "new_prompt": pod_miss,
+        "repeated_prompt": pod_hit,
+        "new_prompt_shared_prefix": pod_shared,
+    }
+    out["local_tokenizer"] = {
+        "new_prompt": local_miss,
+        "repeated_prompt": local_hit,
+        "new_prompt_shared_prefix": local_shared,
+    }
+    shared_agree = sum(
+        a == b and a is not None for a, b in zip(pod_shared_ids, local_shared_ids, strict=True)
+    )
+    out["same_ids_shared_prefix"] = f"{shared_agree}/{len(shared)}"
+    out["picker_cpu_pod_over_local_shared_prefix"] = round(
+        pod_shared["picker_cpu_us_per_call"] / max(local_shared["picker_cpu_us_per_call"], 1e-9),
+        2,
+    )
+    out["latency_p50_pod_over_local_shared_prefix"] = round(
+        pod_shared["p50_us"] / max(local_shared["p50_us"], 1e-9), 2
+    )
     agree = sum(a == b and a is not None for a, b in zip(pod_ids, local_ids, strict=True))
     out["same_ids"] = f"{agree}/{len(batch)}"
     lengths = [len(i) for i in local_ids if i is not None]

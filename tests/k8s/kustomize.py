@@ -11,7 +11,7 @@ import yaml
 from support.paths import REPO
 
 K8S = REPO / "deploy" / "k8s"
-OVERLAYS = ("endpoints-file", "inferencepool", "valkey", "flow-control")
+OVERLAYS = ("endpoints-file", "inferencepool", "valkey", "flow-control", "hf-cache")
 
 Obj = dict[str, Any]
 

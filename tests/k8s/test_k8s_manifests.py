@@ -10,6 +10,7 @@ from kustomize import render
 
 from smart_epp.epp import k8s_discovery as kd
 from smart_epp.epp.cli import build_parser
+from smart_epp.epp.tokenizer_discovery import hub_cache_dir
 
 
 def documents(overlay: str) -> dict[str, dict]:
@@ -85,3 +86,28 @@ def test_deployment_discovers_the_shipped_inference_pool() -> None:
 @pytest.mark.usefixtures("in_cluster")
 def test_endpoints_file_variant_keeps_discovery_off() -> None:
     assert discovery_for(documents("endpoints-file")["Deployment"]) is None
+
+
+def test_hf_cache_variant_lets_the_picker_find_the_model_tokenizer(tmp_path: Path) -> None:
+    deployment = documents("hf-cache")["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    claim = {v["name"]: v for v in pod["volumes"]}["hf-cache"]["persistentVolumeClaim"]
+    assert claim["readOnly"] and mounts["hf-cache"]["readOnly"]
+    # HF_HUB_CACHE lies inside the mounted claim...
+    mount_path = Path(mounts["hf-cache"]["mountPath"])
+    hub = Path(env["HF_HUB_CACHE"])
+    assert mount_path in hub.parents
+    # ...and a model downloaded there (as `hf download` lays it out) is found by name.
+    local_hub = tmp_path / hub.relative_to(mount_path)
+    snapshot = local_hub / "models--meta-llama--Llama-3.1-8B-Instruct" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc123")
+    (snapshot / "tokenizer.json").write_text("{}")
+    found = hub_cache_dir("meta-llama/Llama-3.1-8B-Instruct", cache_dir=local_hub)
+    assert found == snapshot
+    # Discovery is on unless the arguments turn it off.
+    assert build_parser().parse_args(container["args"]).tokenizer_discovery is True
