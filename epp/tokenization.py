@@ -310,12 +310,8 @@ class LocalTokenizer:
             special = self._added.get(piece)
             if special is not None:
                 out.append(special)
-                continue
-            ids = self._segments.get(piece)
-            if ids is None:
-                ids = _pack(self._encode_text(piece))
-                self._segments.put(piece, ids)
-            out.extend(ids)
+            else:  # a segment between special tokens: likely to come again, so cached
+                out.extend(self._encode_text(piece) if self._long(piece) else self._cached(piece))
         return out
 
     def _chunking_is_exact(self) -> bool:
@@ -333,19 +329,26 @@ class LocalTokenizer:
         pieces = [self._tok.encode(c, add_special_tokens=False).ids for c in _chunks(probe, 8)]
         return len(pieces) > 10 and [i for p in pieces for i in p] == whole
 
+    def _cached(self, text: str) -> TokenArray:
+        """`text`'s ids (no special tokens), from the segment cache or encoded into it."""
+        ids = self._segments.get(text)
+        if ids is None:
+            ids = _pack(self._tok.encode(text, add_special_tokens=False).ids)
+            self._segments.put(text, ids)
+        return ids
+
+    def _long(self, text: str) -> bool:
+        return self._chunked and len(text) > 2 * CHUNK_CHARS
+
     def _encode_text(self, text: str) -> list[int]:
         """Text without special tokens. A long text is cut into chunks at word starts,
         each tokenized once and cached: prompts sharing a long prefix (a system prompt,
         a document) only tokenize what follows it."""
-        if not self._chunked or len(text) <= 2 * CHUNK_CHARS:
+        if not self._long(text):
             return self._tok.encode(text, add_special_tokens=False).ids
         out: list[int] = []
         for chunk in _chunks(text, CHUNK_CHARS):
-            ids = self._segments.get(chunk)
-            if ids is None:
-                ids = _pack(self._tok.encode(chunk, add_special_tokens=False).ids)
-                self._segments.put(chunk, ids)
-            out.extend(ids)
+            out.extend(self._cached(chunk))
         return out
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:

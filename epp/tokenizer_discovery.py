@@ -184,15 +184,14 @@ class TokenizerDiscovery:
             got = await loop.run_in_executor(
                 tokenizer_thread(), entry.tokenizer.tokenize_sync, request
             )
+            why = "" if got == expected else _first_difference(got or [], expected)
         except Exception as exc:
-            got, error = None, str(exc)
-        else:
-            error = ""
+            why = str(exc)
         finally:
             entry.checking = False
         if entry.state != "verifying":
             return
-        if got is not None and list(got) == list(expected):
+        if not why:
             entry.agreed += 1
             if entry.agreed >= self.verify_requests:
                 entry.state = "trusted"
@@ -204,7 +203,7 @@ class TokenizerDiscovery:
                     entry.agreed,
                 )
             return
-        self._reject(model, entry, error or _first_difference(got or [], expected))
+        self._reject(model, entry, why)
 
     async def _recheck(
         self,
@@ -221,7 +220,7 @@ class TokenizerDiscovery:
             expected = None
         finally:
             entry.checking = False
-        if expected is None or entry.state != "trusted" or list(expected) == list(local):
+        if expected is None or entry.state != "trusted" or expected == local:
             return
         self._reject(model, entry, _first_difference(local, expected))
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from kustomize import render
+from support.hf_cache import hub_snapshot
 
 from smart_epp.epp import k8s_discovery as kd
 from smart_epp.epp.cli import build_parser
@@ -102,11 +103,7 @@ def test_hf_cache_variant_lets_the_picker_find_the_model_tokenizer(tmp_path: Pat
     assert mount_path in hub.parents
     # ...and a model downloaded there (as `hf download` lays it out) is found by name.
     local_hub = tmp_path / hub.relative_to(mount_path)
-    snapshot = local_hub / "models--meta-llama--Llama-3.1-8B-Instruct" / "snapshots" / "abc123"
-    snapshot.mkdir(parents=True)
-    (snapshot.parents[1] / "refs").mkdir()
-    (snapshot.parents[1] / "refs" / "main").write_text("abc123")
-    (snapshot / "tokenizer.json").write_text("{}")
+    snapshot = hub_snapshot(local_hub, "meta-llama/Llama-3.1-8B-Instruct", "{}")
     found = hub_cache_dir("meta-llama/Llama-3.1-8B-Instruct", cache_dir=local_hub)
     assert found == snapshot
     # Discovery is on unless the arguments turn it off.

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from sched_helpers import LocalHTTPServer, pod, request
+from support.hf_cache import hub_snapshot
 from support.paths import TINY_MODEL, VLLM_FIXTURES
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -321,13 +322,8 @@ async def test_a_model_with_no_tokenizer_on_disk_stays_on_the_pods(tmp_path, tok
 
 
 def test_the_hub_cache_is_searched_by_model_name(tmp_path):
-    # The layout `hf download org/name` leaves: refs/main names the snapshot.
-    repo = tmp_path / "hub" / "models--org--tiny-chat"
-    snapshot = repo / "snapshots" / "0123abcd"
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0123abcd")
-    (snapshot / "tokenizer.json").write_text((TINY_MODEL / "tokenizer.json").read_text())
+    tokenizer_json = (TINY_MODEL / "tokenizer.json").read_text()
+    snapshot = hub_snapshot(tmp_path / "hub", "org/tiny-chat", tokenizer_json)
     assert hub_cache_dir("org/tiny-chat", cache_dir=tmp_path / "hub") == snapshot
     assert hub_cache_dir("org/other", cache_dir=tmp_path / "hub") is None
     assert hub_cache_dir("not a repo id!", cache_dir=tmp_path / "hub") is None
