@@ -241,9 +241,7 @@ async def pod_slowdown(
     predicts (1.0 = as calibrated): the median over the pods of the median of 3 fresh
     prompts each, less the HTTP round trip, as `epp calibrate` measures. On a machine
     shared with other work it says how far the pods' speed drifted since calibration."""
-    predicted = (
-        profile.step_overhead_s + profile.prefill_s_per_request + profile.prefill_seconds(tokens)
-    )
+    predicted = profile.idle_ttft_seconds(tokens)
     prompts = Prompts(seed=seed)
     ratios = []
     async with aiohttp.ClientSession() as session:

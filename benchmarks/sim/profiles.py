@@ -23,6 +23,7 @@ ones; a linear-only model would favour exactly the routing that ignores it.
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,16 @@ class LatencyProfile(BaseModel):
         pairs = prefill_token_pairs(new_tokens, cached_tokens)
         return (
             new_tokens * self.prefill_s_per_token + pairs * self.prefill_attention_s_per_token_pair
+        )
+
+    def idle_ttft_seconds(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Time to first token of one prompt on an otherwise idle pod: one engine step per
+        chunk of ``max_num_batched_tokens``, plus the per-request cost."""
+        steps = max(1, math.ceil(new_tokens / self.max_num_batched_tokens))
+        return (
+            steps * self.step_overhead_s
+            + self.prefill_s_per_request
+            + self.prefill_seconds(new_tokens, cached_tokens)
         )
 
     def to_yaml(self) -> str:

@@ -67,6 +67,14 @@ class PodConfig:
     lora_modules: tuple[tuple[str, Path], ...] = ()
     num_gpu_blocks: int = 128
     max_model_len: int = 1024
+    # None: vLLM's CPU defaults (2,048 tokens per step, 128 sequences). A smaller step
+    # budget splits a prompt's prefill into chunks, one engine step each, as on GPU pods
+    # serving long prompts.
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    # None: vLLM's default (a worker process beside the engine core); "uni" runs the model
+    # in the engine core's process.
+    executor_backend: str | None = None
     # Eager mode: the CPU build's compile cache does not reload in this vLLM version, so
     # compiling costs ~30 s on every start; events, hashes and metrics are the same.
     enforce_eager: bool = True
@@ -110,6 +118,12 @@ class PodConfig:
             "--enable-prompt-tokens-details",
             "--kv-events-config", json.dumps(kv_events),
         ]  # fmt: skip
+        if self.max_num_batched_tokens is not None:
+            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.max_num_seqs is not None:
+            args += ["--max-num-seqs", str(self.max_num_seqs)]
+        if self.executor_backend is not None:
+            args += ["--distributed-executor-backend", self.executor_backend]
         if self.chat_template is not None:
             args += ["--chat-template", str(self.chat_template)]
         if self.enforce_eager:
@@ -216,6 +230,15 @@ class VllmPod:
                 return json.loads(resp.read())
         except urllib.error.HTTPError as exc:
             raise AssertionError(f"POST {path} -> {exc.code}: {exc.read()[:2000]!r}") from exc
+
+    def warm_up(self) -> None:
+        """Serves one 100-token prompt. On this vLLM CPU build a pod whose first request
+        is a prompt of a few tokens loses its worker (SIGILL, exit -4) and answers 500
+        from then on; after one longer prompt, short ones are served."""
+        self.post_json(
+            "/v1/completions",
+            {"model": SERVED_MODEL, "prompt": "warm up " * 50, "max_tokens": 1},
+        )
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
