@@ -207,7 +207,7 @@ async def _ttft(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) 
 
 
 async def gateway_latency(
-    gateway_url: str, pods: Sequence[PodSpec], model: str, spec: TraceSpec, n: int = 9
+    gateway_url: str, pods: Sequence[PodSpec], model: str, spec: TraceSpec, n: int = 25
 ) -> float:
     """What a request pays before the pod's engine sees it, as the simulator's routing
     latency: the gateway's added time to first token plus the client's HTTP round trip to
@@ -215,23 +215,29 @@ async def gateway_latency(
 
     Each probe is a fresh prompt of the trace's size, first sent straight to every pod (so
     it is cached wherever the gateway sends it), then through the gateway (which has to
-    tokenize it, as it does each trace request) and straight to a pod again; the added
-    time is the difference of the medians of `n` such pairs.
+    tokenize it, as it does each trace request) and straight to a pod, in alternating
+    order; the added time is the median of the `n` pairs' differences, which a drift in
+    the host's speed during the probes moves less than a difference of medians.
     """
     rng = random.Random(f"gateway-latency-{spec.seed}")
     size = spec.system_words + spec.question_words
-    via, direct = [], []
+    added = []
     async with aiohttp.ClientSession() as session:
         for i in range(n):
             prompt = f"probe {i}: " + " ".join(rng.choice(_WORDS) for _ in range(size))
             body = {"model": model, "prompt": prompt, "max_tokens": 1, "stream": True}
             for pod in pods:
                 await _ttft(session, pod.url, body)
-            via.append(await _ttft(session, gateway_url, body))
-            direct.append(await _ttft(session, pods[i % len(pods)].url, body))
+            direct_url = pods[i % len(pods)].url
+            if i % 2:
+                direct = await _ttft(session, direct_url, body)
+                via = await _ttft(session, gateway_url, body)
+            else:
+                via = await _ttft(session, gateway_url, body)
+                direct = await _ttft(session, direct_url, body)
+            added.append(via - direct)
         floor = await Probe(session, pods[0].url, model).round_trip_floor()
-    added = statistics.median(via) - statistics.median(direct)
-    return max(0.0, added) + floor
+    return max(0.0, statistics.median(added)) + floor
 
 
 async def pod_slowdown(

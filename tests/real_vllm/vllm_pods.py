@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -175,6 +176,7 @@ class VllmPod:
     process: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_after_s: list[float] = field(default_factory=list)  # one entry per start
+    log_start: int = 0  # where this start's output begins in the log
 
     @property
     def url(self) -> str:
@@ -191,6 +193,7 @@ class VllmPod:
         caches.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
+        self.log_start = log.tell()
         self.started_at = time.monotonic()
         self.process = subprocess.Popen(
             _process_wrappers() + self.config.argv(self.python),
@@ -246,6 +249,14 @@ class VllmPod:
         except OSError:
             return "(no log)"
 
+    def log_since_start(self) -> str:
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self.log_start)
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def memory_bytes(self) -> int:
         """Proportional set size of the whole process tree (shared pages split fairly)."""
         if self.process is None:
@@ -259,6 +270,14 @@ class VllmPod:
         _LIVE.discard(self)
 
 
+class PortTaken(RuntimeError):
+    """A pod exited because one of its ports was bound by someone else first."""
+
+    def __init__(self, pod: VllmPod, message: str) -> None:
+        super().__init__(message)
+        self.pod = pod
+
+
 def wait_healthy(pods: Sequence[VllmPod], timeout_s: float = 300.0) -> None:
     """Polls every pod's /health until all answer 200; fails early when one dies."""
     pending = list(pods)
@@ -267,10 +286,13 @@ def wait_healthy(pods: Sequence[VllmPod], timeout_s: float = 300.0) -> None:
         for pod in list(pending):
             if not pod.running():
                 code = pod.process.returncode if pod.process else None
-                raise RuntimeError(
+                message = (
                     f"vLLM pod {pod.config.name} exited ({code}) before it was healthy:\n"
                     + pod.log_tail()
                 )
+                if "Address already in use" in pod.log_since_start():
+                    raise PortTaken(pod, message)
+                raise RuntimeError(message)
             if pod.healthy():
                 pod.ready_after_s.append(time.monotonic() - pod.started_at)
                 pending.remove(pod)
@@ -282,13 +304,32 @@ def wait_healthy(pods: Sequence[VllmPod], timeout_s: float = 300.0) -> None:
             time.sleep(0.5)
 
 
-def start_pods(pods: Iterable[VllmPod], timeout_s: float = 300.0) -> None:
-    """Starts the pods at once (their imports overlap) and waits until all are healthy."""
+def start_pods(pods: Iterable[VllmPod], timeout_s: float = 300.0, port_tries: int = 3) -> None:
+    """Starts the pods at once (their imports overlap) and waits until all are healthy.
+
+    A port picked free can be taken (by any process's outgoing connection) before vLLM
+    binds it; a pod that fails that way is started again on new ports.
+    """
     started = list(pods)
     try:
         for pod in started:
             pod.start()
-        wait_healthy(started, timeout_s)
+        pending = started
+        for attempt in range(port_tries):
+            try:
+                wait_healthy(pending, timeout_s)
+                return
+            except PortTaken as taken:
+                if attempt == port_tries - 1:
+                    raise
+                pending = [p for p in started if p is taken.pod or not p.healthy()]
+                taken.pod.config = dataclasses.replace(
+                    taken.pod.config,
+                    http_port=free_port(),
+                    kv_port=free_port(),
+                    replay_port=free_port(),
+                )
+                taken.pod.start()
     except BaseException:
         for pod in started:
             pod.stop()
