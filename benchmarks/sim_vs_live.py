@@ -143,8 +143,11 @@ class PodSpec:
 
 
 @contextlib.contextmanager
-def live_gateway(pods: Sequence[PodSpec], config: str | None, model: str) -> Iterator[str]:
-    """`epp serve` (with `config`) and Envoy in front of the pods; yields Envoy's URL."""
+def live_gateway(
+    pods: Sequence[PodSpec], config: str | None, model: str, log_level: str = "warning"
+) -> Iterator[str]:
+    """`epp serve` (with `config`) and Envoy in front of the pods; yields Envoy's URL.
+    At `log_level` "debug" epp logs every decision with each pod's scores."""
     # Kept afterwards: epp's and Envoy's logs there explain a run that went wrong.
     workdir = Path(tempfile.mkdtemp(prefix="sim-vs-live-"))
     group = ProcessGroup(workdir)
@@ -162,7 +165,7 @@ def live_gateway(pods: Sequence[PodSpec], config: str | None, model: str) -> Ite
         grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
         serve = ["serve", "--grpc-port", str(grpc_port), "--health-port", str(health_port),
                  "--metrics-port", str(metrics_port), "--endpoints-file", str(endpoints),
-                 "--log-level", "warning"]  # fmt: skip
+                 "--log-level", log_level]  # fmt: skip
         if config:
             serve += ["--config", config]
         epp = group.start("epp", epp_argv(*serve))

@@ -48,11 +48,6 @@ pytestmark = [pytest.mark.real_vllm, pytest.mark.envoy]
 # one step otherwise, and a cached 530-token prefix would save ~5 ms, less than the
 # gateway's own latency moves between runs; in chunks it saves ~15 engine steps.
 CHUNK_TOKENS = 32
-# vLLM's model worker polls for its next step in a loop for 1 s after each step, a core
-# per pod; two pods' loops on this two-core host starve the gateway and each other (a
-# cached prompt through Envoy took 82 ms instead of 26). The test pods' workers poll
-# for 50 ms, enough to span the gaps between one request's steps (deploy/vllm/vllm_launcher.py).
-WORKER_SLEEPS_WHEN_IDLE = (("SMART_EPP_VLLM_WORKER_BUSY_LOOP_S", "0.05"),)
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +59,9 @@ def chunked_pods(
     pods = tuple(
         VllmPod(
             dataclasses.replace(
-                config := dev_mode_pod_config(name),
+                dev_mode_pod_config(name),
                 max_num_batched_tokens=CHUNK_TOKENS,
                 max_num_seqs=CHUNK_TOKENS,
-                extra_env=config.extra_env + WORKER_SLEEPS_WHEN_IDLE,
             ),
             vllm_python,
             logs,

@@ -6,11 +6,19 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from support.net import wait_until
-from vllm_pods import die_with_parent, group_members, stop_process_group
+from vllm_pods import (
+    VllmPod,
+    completion_body,
+    die_with_parent,
+    group_members,
+    stop_process_group,
+    unique_prompt,
+)
 
 pytestmark = pytest.mark.real_vllm
 
@@ -64,3 +72,14 @@ def test_process_started_by_a_killed_parent_dies_with_it(tmp_path: Path) -> None
         return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
     wait_until(child_gone, timeout=10, what="the orphaned child to exit")
+
+
+def test_a_pod_stops_using_cpu_soon_after_its_last_request(pod_a: VllmPod) -> None:
+    # vLLM's worker polls in a loop for 1 s after each step; the test pods poll for 50 ms
+    # (deploy/vllm/vllm_launcher.py), so that idle pods leave this small host's cores to
+    # the gateway and the other pods. Unpatched, the second below costs about a core.
+    pod_a.post_json("/v1/completions", completion_body(unique_prompt("idle-cpu"), max_tokens=2))
+    time.sleep(0.2)  # past the 50 ms poll and the response's own bookkeeping
+    before = pod_a.cpu_seconds()
+    time.sleep(1.0)  # the interval measured, not a wait for a condition
+    assert pod_a.cpu_seconds() - before < 0.3
