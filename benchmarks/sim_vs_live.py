@@ -20,8 +20,10 @@ both modes rank the policies alike) goes to `benchmarks/results/sim_vs_live.json
 tcp://127.0.0.1:5558 --pod ... --profile calibrated.yaml --tokenizer DIR/tokenizer.json \
 --model tiny --block-size 32
 
-The real-vLLM test tier runs it against two vLLM CPU pods with the tiny test model,
-calibrated with `epp calibrate` (tests/real_vllm/measure_sim_vs_live.py, run by path).
+Calibrate the pods as they will run: with the gateway in front of them (`live_gateway`),
+which on a small host takes CPU from them. The real-vLLM test tier runs it against two
+vLLM CPU pods with the tiny test model, prefilling in 32-token chunks
+(tests/real_vllm/measure_sim_vs_live.py, run by path).
 """
 
 from __future__ import annotations

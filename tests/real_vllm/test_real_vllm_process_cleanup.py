@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,10 @@ from support.net import wait_until
 from vllm_pods import (
     VllmPod,
     completion_body,
+    dev_mode_pod_config,
     die_with_parent,
     group_members,
+    start_pods,
     stop_process_group,
     unique_prompt,
 )
@@ -74,12 +78,28 @@ def test_process_started_by_a_killed_parent_dies_with_it(tmp_path: Path) -> None
     wait_until(child_gone, timeout=10, what="the orphaned child to exit")
 
 
-def test_a_pod_stops_using_cpu_soon_after_its_last_request(pod_a: VllmPod) -> None:
-    # vLLM's worker polls in a loop for 1 s after each step; the test pods poll for 50 ms
-    # (deploy/vllm/vllm_launcher.py), so that idle pods leave this small host's cores to
-    # the gateway and the other pods. Unpatched, the second below costs about a core.
-    pod_a.post_json("/v1/completions", completion_body(unique_prompt("idle-cpu"), max_tokens=2))
+@pytest.fixture(scope="module")
+def quick_sleeping_pod(
+    vllm_python: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmPod]:
+    config = dataclasses.replace(dev_mode_pod_config("quick-sleep"), worker_busy_loop_s=0.05)
+    pod = VllmPod(config, vllm_python, tmp_path_factory.mktemp("vllm-quick-sleep-logs"))
+    start_pods([pod])
+    try:
+        yield pod
+    finally:
+        pod.stop()
+
+
+def test_a_pod_told_to_poll_50_ms_stops_using_cpu_soon_after_its_last_request(
+    quick_sleeping_pod: VllmPod,
+) -> None:
+    # vLLM's worker polls in a loop for 1 s after each step; deploy/vllm/vllm_launcher.py
+    # shortens that, so that idle pods leave a small host's cores to the gateway and the
+    # other pods. With vLLM's 1 s, the second below costs about 0.8 s of CPU.
+    pod = quick_sleeping_pod
+    pod.post_json("/v1/completions", completion_body(unique_prompt("idle-cpu"), max_tokens=2))
     time.sleep(0.2)  # past the 50 ms poll and the response's own bookkeeping
-    before = pod_a.cpu_seconds()
+    before = pod.cpu_seconds()
     time.sleep(1.0)  # the interval measured, not a wait for a condition
-    assert pod_a.cpu_seconds() - before < 0.3
+    assert pod.cpu_seconds() - before < 0.3

@@ -76,6 +76,10 @@ class PodConfig:
     # None: vLLM's default (a worker process beside the engine core); "uni" runs the model
     # in the engine core's process.
     executor_backend: str | None = None
+    # How long the model worker polls for its next step after one (deploy/vllm/
+    # vllm_launcher.py); None: vLLM's 1 s, a core per pod meanwhile. A pod asleep pays a
+    # wake-up on its next request, which calibration (back-to-back requests) does not see.
+    worker_busy_loop_s: float | None = None
     # Eager mode: the CPU build's compile cache does not reload in this vLLM version, so
     # compiling costs ~30 s on every start; events, hashes and metrics are the same.
     enforce_eager: bool = True
@@ -152,12 +156,9 @@ class PodConfig:
             VLLM_CPU_OMP_THREADS_BIND="nobind",
             OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
-            # vLLM's model worker polls for its next step in a loop for 1 s after each
-            # step, a core per pod; on this two-core host those loops starve the gateway
-            # and the other pods (a cached prompt through Envoy took 82 ms instead of 26).
-            # 50 ms spans the gaps between one request's steps (deploy/vllm/vllm_launcher.py).
-            SMART_EPP_VLLM_WORKER_BUSY_LOOP_S="0.05",
         )
+        if self.worker_busy_loop_s is not None:
+            env["SMART_EPP_VLLM_WORKER_BUSY_LOOP_S"] = str(self.worker_busy_loop_s)
         env.update(dict(self.extra_env))
         return env
 
