@@ -73,9 +73,6 @@ class PodConfig:
     # serving long prompts.
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
-    # None: vLLM's default (a worker process beside the engine core); "uni" runs the model
-    # in the engine core's process.
-    executor_backend: str | None = None
     # How long the model worker polls for its next step after one (deploy/vllm/
     # vllm_launcher.py); None: vLLM's 1 s, a core per pod meanwhile. A pod asleep pays a
     # wake-up on its next request, which calibration (back-to-back requests) does not see.
@@ -127,8 +124,6 @@ class PodConfig:
             args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if self.max_num_seqs is not None:
             args += ["--max-num-seqs", str(self.max_num_seqs)]
-        if self.executor_backend is not None:
-            args += ["--distributed-executor-backend", self.executor_backend]
         if self.chat_template is not None:
             args += ["--chat-template", str(self.chat_template)]
         if self.enforce_eager:

@@ -345,3 +345,22 @@ def test_lora_capture_stores_the_same_blocks_and_lora_b_waits_for_lora_a():
     for batches in (mine, real):
         names = [e["lora_name"] for b in batches for e in b]
         assert max(i for i, n in enumerate(names) if n == "lora-a") < names.index("lora-b")
+
+
+@pytest.mark.parametrize("chunk", [32, 2048])
+def test_idle_ttft_seconds_is_what_the_engine_takes_for_one_prompt(chunk):
+    # LatencyProfile.idle_ttft_seconds is how benchmarks predict a lone prompt's TTFT
+    # (sim_vs_live's pod slowdown); it must count one step per chunk, as the engine runs.
+    profile = get_profile("h100-llama3-8b").model_copy(
+        update={"max_num_batched_tokens": chunk, "prefill_s_per_request": 0.002}
+    )
+    engine = make_engine(profile=profile)
+    prefix = list(range(100, 1100))
+    engine.add_request(SimRequest("cold", [*prefix, 1, 2, 3], max_tokens=1), 0.0)
+    t, outs = run_until_done(engine)
+    assert first_token_time(outs, "cold") == pytest.approx(profile.idle_ttft_seconds(1003))
+    engine.add_request(SimRequest("warm", [*prefix, 7, 8, 9], max_tokens=1), t)
+    _, outs = run_until_done(engine, t)
+    cached = (len(prefix) // 16) * 16
+    expected = profile.idle_ttft_seconds(1003 - cached, cached)
+    assert first_token_time(outs, "warm") - t == pytest.approx(expected)
