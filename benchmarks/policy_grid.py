@@ -36,7 +36,7 @@ import numpy as np
 from smart_epp.benchmarks.replay.arrivals import poisson_arrivals, scaled_arrivals
 from smart_epp.benchmarks.replay.cli import Workload, simulate_policy
 from smart_epp.benchmarks.replay.report import summarize
-from smart_epp.benchmarks.replay.sim import SimConfig, pod_address
+from smart_epp.benchmarks.replay.sim import SimConfig, parse_slowdowns, pod_address
 from smart_epp.benchmarks.replay.traces import (
     SharedPrefixSpec,
     TraceRequest,
@@ -63,6 +63,7 @@ POLICIES = (
     "full-information",
 )
 MODEL = "model"
+BLOCK_SIZE = SimConfig().block_size
 
 
 def grid_profile(factor: float) -> str:
@@ -136,11 +137,21 @@ def load_workload(trace: str, n: int, seed: int) -> list[TraceRequest]:
     return multi_turn_workload(n, seed)
 
 
+def pool_speed(pods: int, slowdowns: Sequence[float]) -> float:
+    """The pool's prefill capacity in pods of the profile's speed."""
+    return sum(1.0 / slowdowns[i] if i < len(slowdowns) else 1.0 for i in range(pods))
+
+
 def arrivals_for_load(
-    trace: str, requests: Sequence[TraceRequest], load: float, pods: int, seed: int
+    trace: str,
+    requests: Sequence[TraceRequest],
+    load: float,
+    pods: int,
+    seed: int,
+    slowdowns: Sequence[float] = (),
 ) -> list[float]:
     """Arrival times offering `load` x the pool's raw prefill capacity in prompt tokens/s."""
-    capacity = pods / PROFILES[BASE_PROFILE].prefill_s_per_token
+    capacity = pool_speed(pods, slowdowns) / PROFILES[BASE_PROFILE].prefill_s_per_token
     tokens = sum(r.input_tokens for r in requests)
     if trace == "mooncake":
         natural = scaled_arrivals(requests, 1.0)
@@ -162,11 +173,25 @@ class Cell:
         return f"{self.trace} load={self.load:g} attn={self.attention:g}x"
 
 
-def run_cell(cell: Cell, policies: Sequence[str], n: int, pods: int, seed: int) -> dict[str, Any]:
+def run_cell(
+    cell: Cell,
+    policies: Sequence[str],
+    n: int,
+    pods: int,
+    seed: int,
+    slowdowns: tuple[float, ...] = (),
+    kv_tokens: int | None = None,
+) -> dict[str, Any]:
     requests = load_workload(cell.trace, n, seed)
-    arrivals = arrivals_for_load(cell.trace, requests, cell.load, pods, seed)
+    arrivals = arrivals_for_load(cell.trace, requests, cell.load, pods, seed, slowdowns)
     # Requests longer than the profile's context are rejected, the same ones for every policy.
-    config = SimConfig(pods=pods, profile=grid_profile(cell.attention), model=MODEL)
+    config = SimConfig(
+        pods=pods,
+        profile=grid_profile(cell.attention),
+        model=MODEL,
+        pod_slowdowns=slowdowns,
+        num_blocks=None if kv_tokens is None else kv_tokens // BLOCK_SIZE,
+    )
     addresses = [pod_address(i) for i in range(pods)]
     out: dict[str, Any] = {}
     for name in policies:
@@ -248,6 +273,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", nargs="+", type=float, default=list(LOADS))
     ap.add_argument("--attention", nargs="+", type=float, default=list(ATTENTION_FACTORS))
     ap.add_argument("--policy", nargs="+", default=list(POLICIES))
+    ap.add_argument(
+        "--pod-slowdowns",
+        type=parse_slowdowns,
+        default=(),
+        metavar="F,F,...",
+        help="each pod's step time as a multiple of the profile's, pod 0 first (default: "
+        "identical pods); the offered load counts the pool's capacity at these speeds",
+    )
+    ap.add_argument(
+        "--kv-tokens",
+        type=int,
+        metavar="N",
+        help="each pod's KV-cache capacity in tokens (default: the profile's, "
+        f"{PROFILES[BASE_PROFILE].kv_tokens:,}); smaller caches put prefixes under eviction "
+        "pressure, as on GPUs with less memory left after the weights",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     ap.add_argument("--name", default="policy_grid")
     args = ap.parse_args(argv)
@@ -256,7 +297,16 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         futures = {
-            c.key: pool.submit(run_cell, c, args.policy, args.requests, args.pods, args.seed)
+            c.key: pool.submit(
+                run_cell,
+                c,
+                args.policy,
+                args.requests,
+                args.pods,
+                args.seed,
+                args.pod_slowdowns,
+                args.kv_tokens,
+            )
             for c in cells
         }
         for key, fut in futures.items():
@@ -270,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "benchmarks/policy_grid.py " + " ".join(argv or sys.argv[1:]),
         "requests_per_cell": args.requests,
         "pods": args.pods,
+        "pod_slowdowns": list(args.pod_slowdowns),
+        "kv_tokens_per_pod": args.kv_tokens or PROFILES[BASE_PROFILE].kv_tokens,
         "seed": args.seed,
         "profile": BASE_PROFILE,
         "profile_attention_s_per_pair": PROFILES[BASE_PROFILE].prefill_attention_s_per_token_pair,

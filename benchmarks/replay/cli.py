@@ -60,7 +60,7 @@ from .report import (
     summarize,
     write_json,
 )
-from .sim import SimConfig, SimPool, Simulation, pod_address
+from .sim import SimConfig, SimPool, Simulation, parse_slowdowns, pod_address
 from .traces import (
     TRACE_FORMATS,
     TraceError,
@@ -112,6 +112,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--scrape-interval", type=float, default=0.05, help="sim mode: metrics scrape period (s)"
     )
     p.add_argument("--max-model-len", type=int, help="sim mode: lower the profile's context limit")
+    p.add_argument(
+        "--pod-slowdowns",
+        type=parse_slowdowns,
+        default=(),
+        metavar="F,F,...",
+        help="sim mode: each pod's step time as a multiple of the profile's, pod 0 first "
+        "(default: identical pods), e.g. 1,1,1.1,1.25 for a pool with two slower cards",
+    )
     p.add_argument(
         "--routing-latency",
         type=float,
@@ -275,6 +283,7 @@ def run_sim(args: argparse.Namespace, workload: Workload, console: Console) -> i
         max_model_len=args.max_model_len,
         model=model,
         routing_latency_s=args.routing_latency,
+        pod_slowdowns=args.pod_slowdowns,
     )
     flow_control: LoadedConfig | None = None
     if args.flow_control:
@@ -399,6 +408,7 @@ def _report(
                 else {}
             ),
             "routing_latency_s": args.routing_latency,
+            "pod_slowdowns": list(args.pod_slowdowns),
             **(extra or {}),
         },
     )

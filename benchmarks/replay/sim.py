@@ -16,6 +16,7 @@ Nothing reads a clock or an unseeded random source, so a seed fixes the result.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import heapq
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -62,6 +63,10 @@ class SimConfig:
     model: str = DEFAULT_MODEL
     num_blocks: int | None = None  # None: the profile's KV capacity
     routing_latency_s: float = DEFAULT_ROUTING_LATENCY_S  # tokenization + decision
+    # Each pod's step time as a multiple of the profile's, pod 0 first; pods past the end
+    # run at the profile's speed. Real pools are rarely identical: mixed GPU SKUs, a
+    # throttled card, a noisy neighbour on the host.
+    pod_slowdowns: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)
@@ -71,6 +76,20 @@ class RoutedPolicy:
     name: str
     scheduler: Scheduler
     kv_events: KVEventSink | None = None  # None: the policy does not use KV events
+
+
+def parse_slowdowns(text: str) -> tuple[float, ...]:
+    """`1,1.1,1.25`: each pod's step time as a multiple of the profile's, pod 0 first
+    (a command-line option's type: a bad value is an `ArgumentTypeError` naming it)."""
+    try:
+        factors = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        factors = ()
+    if not factors or not all(0 < f < float("inf") for f in factors):
+        raise argparse.ArgumentTypeError(
+            f"pod slowdowns are comma-separated positive numbers such as 1,1.1,1.25, not {text!r}"
+        )
+    return factors
 
 
 def pod_address(i: int) -> str:
@@ -98,12 +117,13 @@ class SimPool:
     def build(cls, config: SimConfig) -> SimPool:
         pool = cls(config)
         profile = get_profile(config.profile)
+        slowdowns = config.pod_slowdowns
         for i in range(config.pods):
             address = pod_address(i)
             pool.engines[address] = SimEngine(
                 EngineConfig(
                     block_size=config.block_size,
-                    profile=profile,
+                    profile=profile.slowed(slowdowns[i]) if i < len(slowdowns) else profile,
                     max_model_len=config.max_model_len,
                     num_blocks=config.num_blocks,
                     hash_seed="replay",

@@ -98,8 +98,31 @@ class LatencyProfile(BaseModel):
             + self.prefill_seconds(new_tokens, cached_tokens)
         )
 
+    def slowed(self, factor: float) -> LatencyProfile:
+        """The same pod taking `factor` times as long for every step (a slower GPU SKU, a
+        throttled or noisy-neighboured card): every time coefficient scaled, limits kept."""
+        if factor <= 0:
+            raise ProfileError(f"a pod's slowdown factor must be positive, not {factor}")
+        if factor == 1.0:
+            return self
+        return self.model_copy(
+            update={name: getattr(self, name) * factor for name in _TIME_FIELDS}
+            | {"name": f"{self.name}x{factor:g}"}
+        )
+
     def to_yaml(self) -> str:
         return yaml.dump(self.model_dump(), Dumper=_Dumper, sort_keys=False, width=100)
+
+
+# The coefficients that are times (seconds), as opposed to capacities and limits.
+_TIME_FIELDS = (
+    "step_overhead_s",
+    "prefill_s_per_token",
+    "prefill_attention_s_per_token_pair",
+    "decode_s_per_seq",
+    "decode_kv_read_s_per_token",
+    "prefill_s_per_request",
+)
 
 
 def prefill_token_pairs(new_tokens: int, context_before: int) -> float:

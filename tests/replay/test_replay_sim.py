@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import pytest
@@ -11,7 +12,13 @@ from smart_epp.benchmarks.replay.cli import Workload, simulate_policy
 from smart_epp.benchmarks.replay.policies.context import PolicyContext
 from smart_epp.benchmarks.replay.policies.registry import build_policy
 from smart_epp.benchmarks.replay.report import summarize
-from smart_epp.benchmarks.replay.sim import SimConfig, SimPool, Simulation, pod_address
+from smart_epp.benchmarks.replay.sim import (
+    SimConfig,
+    SimPool,
+    Simulation,
+    parse_slowdowns,
+    pod_address,
+)
 from smart_epp.benchmarks.replay.traces import (
     SharedPrefixSpec,
     generate_shared_prefix,
@@ -180,6 +187,25 @@ def test_routing_latency_is_charged_in_virtual_time() -> None:
         assert a.pod == b.pod and a.arrival_s == b.arrival_s
         assert b.ttft_s == pytest.approx(a.ttft_s + 0.25, abs=1e-9)
         assert b.e2e_s == pytest.approx(a.e2e_s + 0.25, abs=1e-9)
+
+
+def test_pod_slowdowns_slow_only_the_pods_they_name() -> None:
+    wl = _workload(qps=0.5)  # requests far apart: each answered by an idle pod
+    even = SimConfig(pods=2, routing_latency_s=0.0)
+    uneven = SimConfig(pods=2, routing_latency_s=0.0, pod_slowdowns=(2.0,))
+    a = simulate_policy("round-robin", wl, even, 0)
+    b = simulate_policy("round-robin", wl, uneven, 0)
+    for x, y in zip(a, b, strict=True):
+        assert x.pod == y.pod and x.ttft_s is not None
+        factor = 2.0 if x.pod == pod_address(0) else 1.0
+        assert y.ttft_s == pytest.approx(factor * x.ttft_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("text", ["", "1,x", "1,0", "-1", "1,inf", "nan"])
+def test_bad_pod_slowdowns_are_refused_with_the_value(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="positive numbers"):
+        parse_slowdowns(text)
+    assert parse_slowdowns("1, 1.1,1.25") == (1.0, 1.1, 1.25)
 
 
 class _CheckedPool(SimPool):

@@ -183,3 +183,14 @@ def test_print_profile_prints_the_schema_that_profile_loads_back(tmp_path: Path)
     assert load_profile_file(path) == get_profile("h100-llama3.1-8b-128k")
     bad = _epp("sim", "--print-profile", "nope")
     assert bad.returncode == 2 and "unknown profile 'nope'" in bad.stderr
+
+
+def test_a_slowed_pod_takes_the_factor_longer_for_every_step():
+    base = PROFILES["h100-llama3-8b"]
+    slow = base.slowed(1.25)
+    assert slow.kv_tokens == base.kv_tokens and slow.max_model_len == base.max_model_len
+    for tokens in (300, 7_500, 30_000):
+        assert cold_ttft(slow, tokens) == pytest.approx(1.25 * cold_ttft(base, tokens))
+    assert base.slowed(1.0) is base
+    with pytest.raises(ProfileError, match="positive"):
+        base.slowed(0.0)
