@@ -219,6 +219,7 @@ class PipelineScheduler:
                 ctx.prefix_hits = await self.prefix_matcher.match(
                     ctx.token_ids, request, ctx.block_sizes
                 )
+                ctx.held_blocks = self.prefix_matcher.held_blocks(ctx.block_sizes)
             except Exception:  # an index outage degrades to "nothing cached", never a 5xx
                 log.exception("prefix lookup failed; scheduling without cache information")
             end = time.perf_counter()
@@ -242,6 +243,7 @@ class PipelineScheduler:
             ctx.prefix_hits = self.prefix_matcher.match_sync(
                 ctx.token_ids, request, ctx.block_sizes
             )
+            ctx.held_blocks = self.prefix_matcher.held_blocks(ctx.block_sizes)
             self._match_timer.observe(time.perf_counter() - start)
         return ctx
 

@@ -63,6 +63,9 @@ class SchedulingContext:
     token_ids: list[int] | None = None
     # Longest cached run per pod address, from the KV index; None when not looked up.
     prefix_hits: Mapping[str, PrefixHit] | None = None
+    # Blocks each candidate pod holds in all (its prefix cache's fill, from the KV index),
+    # looked up with the prefix hits; None when not known.
+    held_blocks: Mapping[str, int] | None = None
     # Block size (tokens) each candidate pod uses, when known.
     block_sizes: Mapping[str, int] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)

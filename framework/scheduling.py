@@ -3,7 +3,7 @@ data producers a scheduler asks (tokenization, prefix lookup)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 from .types import Decision, LLMRequest, Outcome, PodState, PrefixHit
@@ -49,6 +49,10 @@ class PrefixMatcher(Protocol):
         self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
     ) -> Mapping[str, PrefixHit] | None:
         """The same without awaiting, or None when the backend cannot answer synchronously."""
+        ...
+
+    def held_blocks(self, addresses: Iterable[str]) -> Mapping[str, int] | None:
+        """Blocks each pod holds in all (its prefix cache's fill), or None when unknown."""
         ...
 
     def speculate(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ..framework.types import LLMRequest, PrefixHit
 from .api import BlockIndex
@@ -99,6 +99,14 @@ class IndexPrefixMatcher:
         for address in block_sizes:
             hits.setdefault(address, PrefixHit(blocks=0))
         return hits
+
+    def held_blocks(self, addresses: Iterable[str]) -> dict[str, int] | None:
+        """Blocks each pod holds in all (GPU tier, per its KV events), or None when the
+        index cannot count them synchronously."""
+        held_blocks_sync = getattr(self.index, "held_blocks_sync", None)
+        if held_blocks_sync is None:
+            return None
+        return {address: held_blocks_sync(address) for address in addresses}
 
     def speculate(
         self,

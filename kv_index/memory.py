@@ -55,6 +55,7 @@ class MemoryBlockIndex:
         self._next_slot = 0
         self._all_pods_mask = 0  # the GPU bit of every slot in use
         self._entries = 0  # (block, pod) pairs held, speculative ones excluded
+        self._gpu_held: dict[int, int] = {}  # slot -> blocks it holds on its GPU tier
         self._spec: dict[int, dict[int, float]] = {}  # key -> slot -> expiry
         # key -> GPU bits of the slots holding it speculatively (kept equal to _spec's
         # slots), so a lookup merges speculative holders with C-level maps, not a loop.
@@ -75,6 +76,12 @@ class MemoryBlockIndex:
 
     def pods(self) -> list[str]:
         return list(self._slot_of)
+
+    def held_blocks_sync(self, pod: str) -> int:
+        """Blocks `pod` holds on its GPU tier (confirmed by its events; speculative ones
+        not counted): how full its prefix cache is, in the index's view."""
+        slot = self._slot_of.get(pod)
+        return 0 if slot is None else self._gpu_held.get(slot, 0)
 
     def _slot(self, pod: str) -> int:
         slot = self._slot_of.get(pod)
@@ -103,7 +110,8 @@ class MemoryBlockIndex:
         slot = self._slot_of.get(pod)
         if slot is None:
             slot = self._slot(pod)
-        bit = 1 << (2 * slot + (0 if medium == "GPU" else _medium_offset(medium)))
+        gpu = medium == "GPU" or _medium_offset(medium) == 0
+        bit = 1 << (2 * slot + (0 if gpu else 1))
         pair = 3 << (2 * slot)
         table = self._table
         share = self._interned().setdefault
@@ -114,16 +122,20 @@ class MemoryBlockIndex:
             # The usual case, newly stored blocks: one C-level update.
             before = len(table)
             table.update(zip(keys, repeat(share(bit, bit))))
-            self._entries += len(table) - before
+            added = newly_held = len(table) - before
         else:
-            added = 0
+            added = newly_held = 0
             for key in keys:
                 old = table.pop(key, 0)  # re-inserting moves the block to the recent end
                 if not old & pair:
                     added += 1
+                if not old & bit:
+                    newly_held += 1
                 new = old | bit
                 table[key] = share(new, new)
-            self._entries += added
+        self._entries += added
+        if gpu and newly_held:
+            self._gpu_held[slot] = self._gpu_held.get(slot, 0) + newly_held
         if spec:
             self._drop_speculative(slot, keys)  # an event confirmed them
         if len(table) > self.capacity:
@@ -140,10 +152,11 @@ class MemoryBlockIndex:
         share = self._interned().setdefault
         if not isinstance(keys, list | tuple):
             keys = list(keys)
-        dropped = 0
+        dropped = released = 0
         for key in keys:
             old = table_get(key)
             if old is not None and old & bit:
+                released += 1
                 new = old & ~bit
                 if not new & pair:
                     dropped += 1
@@ -152,6 +165,8 @@ class MemoryBlockIndex:
                 else:
                     del table[key]
         self._entries -= dropped
+        if released and bit == 1 << (2 * slot):
+            self._gpu_held[slot] -= released
         if self._spec:
             self._drop_speculative(slot, keys)
 
@@ -161,6 +176,7 @@ class MemoryBlockIndex:
         if slot is None:
             return
         del self._pod_of[slot]
+        self._gpu_held.pop(slot, None)
         self._all_pods_mask &= ~(1 << (2 * slot))
         pair = 3 << (2 * slot)
         keep = ~pair
@@ -251,9 +267,16 @@ class MemoryBlockIndex:
             victims.append(key)
             if len(victims) >= count:
                 break
+        held = self._gpu_held
         for key in victims:
             value = table.pop(key)
             self._entries -= _pairs_held(value)
+            gpu_bits = value & _even_bits(value.bit_length())
+            while gpu_bits:
+                lowest = gpu_bits & -gpu_bits
+                slot = (lowest.bit_length() - 1) >> 1
+                held[slot] -= 1
+                gpu_bits ^= lowest
         self.evicted_blocks += len(victims)
 
     # ---- reads -----------------------------------------------------------------------

@@ -278,6 +278,11 @@ class RedisBlockIndex:
         )
         return cls(client, **kwargs)  # type: ignore[arg-type]
 
+    def held_blocks_sync(self, pod: str) -> int:
+        """Blocks `pod` holds on its GPU tier, from the local mirror: every replica takes
+        every pod's KV events, so its mirror counts what the store holds."""
+        return self.local.held_blocks_sync(pod)
+
     async def close(self) -> None:
         await self.client.aclose()
 

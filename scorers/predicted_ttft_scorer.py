@@ -304,6 +304,9 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         self.mean_uncached_pairs = 0.5 * params.meanPromptTokens**2
         self.mean_prompt_tokens = params.meanPromptTokens
         self.mean_output_tokens = params.meanOutputTokens
+        # Share of prompt tokens the pool's answers found cached, as a running mean: how
+        # much of what the pods hold gets used again (0 until answers show any).
+        self.reuse_rate = 0.0
         self.routed_prefixes = RoutedPrefixes(params.routedPrefixSeconds)
         # (routed at, predicted prefill seconds) of the last UTILISATION_WINDOW_S.
         self._recent_prefill: deque[tuple[float, float]] = deque()
@@ -517,11 +520,41 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                     dup_pairs = attention_pairs(extra, 0.0)
                     duplicated[i] = c1 * extra / TOKEN_UNIT + c2 * dup_pairs / PAIR_UNIT
                     costs[i] += per_work * duplicated[i]
+        # A prompt's new blocks on a pod whose prefix cache is full push as many held
+        # blocks out (vLLM evicts the least recently used), which the requests that would
+        # have reused them compute again; on a pod with room they push out nothing. Priced
+        # at the pool's cost shape and at the share of prompt tokens answers lately found
+        # cached: an estimate of how much of what a pod holds is used again. Without it,
+        # every new prefix goes to whichever idle pod is priced a little faster, until its
+        # cache holds more prefixes than fit and they evict each other.
+        displaced = [0.0] * len(pods)
+        held_blocks = ctx.held_blocks
+        reuse = self.reuse_rate
+        if held_blocks and reuse > 0:
+            c1, c2 = typical * pool_c1, typical * pool_c2
+            for i, pod in enumerate(pods):
+                address = pod.endpoint.address
+                capacity = pod.metrics.num_gpu_blocks
+                block_size = block_sizes.get(address)
+                held_now = held_blocks.get(address)
+                if not capacity or not block_size or held_now is None:
+                    continue
+                new_blocks = int(own_list[i][0]) // block_size
+                evicted = min(new_blocks, held_now + new_blocks - capacity)
+                if evicted > 0:
+                    tokens = float(evicted * block_size)
+                    displaced[i] = reuse * (
+                        c1 * tokens / TOKEN_UNIT + c2 * attention_pairs(tokens, 0.0) / PAIR_UNIT
+                    )
+                    costs[i] += displaced[i]
         if explain is not None:
-            for pod, t, cost, dup in zip(pods, ttfts, costs, duplicated, strict=True):
+            for pod, t, cost, dup, gone in zip(
+                pods, ttfts, costs, duplicated, displaced, strict=True
+            ):
                 row = explain[pod.endpoint.address]
-                row["congestion_s"] = cost - t
+                row["congestion_s"] = cost - t - gone
                 row["duplicated_s"] = dup
+                row["displaced_s"] = gone
                 row["utilisation"] = rho
         if hit_list:
             # Pods priced alike go to the one holding most of the prompt: the fit can find
@@ -635,12 +668,15 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         if not ok:
             return
         prompt_tokens = usage.prompt_tokens if usage is not None and usage.prompt_tokens else 0
+        cached = (
+            usage.cached_tokens
+            if usage is not None and usage.cached_tokens is not None
+            else int(routed.hit_tokens)
+        )
+        if prompt_tokens or ctx.prompt_tokens:
+            share = min(1.0, cached / (prompt_tokens or ctx.prompt_tokens))
+            self.reuse_rate = _ewma(self.reuse_rate, share, self.params.learningRate)
         if ttft_s is not None and routed.learnable:
-            cached = (
-                usage.cached_tokens
-                if usage is not None and usage.cached_tokens is not None
-                else int(routed.hit_tokens)
-            )
             self.observe(address, ttft_s, prompt_tokens or ctx.prompt_tokens, cached, routed.ahead)
         if usage is not None and usage.completion_tokens > 0:
             alpha = self.params.learningRate

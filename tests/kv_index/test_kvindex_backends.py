@@ -164,6 +164,33 @@ async def test_capacity_bound_holds_under_a_flood_of_unique_prefixes(backend: Ba
     assert await idx.lookup([1_000, 1_001]) == {}
 
 
+async def test_held_blocks_count_each_pods_gpu_blocks(backend: Backend) -> None:
+    idx = backend.index
+    held = idx.held_blocks_sync  # type: ignore[attr-defined]
+    await idx.add("a", [1, 2, 3])
+    await idx.add("a", [3, 4])  # 3 again: stored once
+    await idx.add("b", [1, 2])
+    await idx.add("a", [5], "CPU")  # offloaded blocks are not in the GPU cache
+    assert (held("a"), held("b"), held("nobody")) == (4, 2, 0)
+    await idx.add("a", [5])
+    await idx.add_speculative("a", [10, 11], ttl_s=5.0)  # routed, not stored yet
+    assert held("a") == 5
+    await idx.remove("a", [1, 9])  # 9 was never held
+    await idx.remove("a", [5], "CPU")  # its GPU copy stays
+    assert held("a") == 4
+    await idx.clear_pod("b")
+    assert (held("a"), held("b")) == (4, 0)
+    # Blocks the index drops for its own capacity leave their pods' counts too. (The Redis
+    # backend counts from its local mirror, which takes every event the store does.)
+    counted = idx.local if isinstance(idx, RedisBlockIndex) else idx
+    assert isinstance(counted, MemoryBlockIndex)
+    for start in range(1_000, 1_160, 16):
+        await idx.add("c", list(range(start, start + 16)))
+    kept = [k for k in [1, 2, 3, 4, *range(1_000, 1_160)] if counted.lookup_sync([k])]
+    assert 0 < held("c") <= CAPACITY
+    assert held("a") + held("c") == len(kept)
+
+
 async def test_routing_to_a_held_prefix_keeps_it_from_eviction(backend: Backend) -> None:
     idx = backend.index
     hot = [1, 2, 3, 4]

@@ -364,3 +364,47 @@ def test_kv_wait_grows_with_the_deficit_and_shrinks_with_more_requests_finishing
     assert comp["small:1"]["kv_s"] == pytest.approx(4 * 100 * 0.01 / 10)
     assert comp["many:1"]["kv_s"] == pytest.approx(4 * 100 * 0.01 / 40)
     assert comp["roomy:1"]["kv_s"] == 0.0
+
+
+def _faster_a_and_reuse(reused_share: float) -> PredictedTTFTScorer:
+    """A scorer that learned pod a answers cold prompts 10% faster than pod b, from answers
+    that found `reused_share` of their prompt cached."""
+    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0)
+    fast, slow = pod("a:1"), pod("b:1")
+    rng = random.Random(5)
+    for i in range(60):
+        n = rng.randint(500, 4000)
+        cached = int(reused_share * n)
+        answer(s, fast, n, ttft=90e-6 * (n - cached), now=100.0 + 30 * i, cached=cached)
+        answer(s, slow, n, ttft=100e-6 * (n - cached), now=101.0 + 30 * i, cached=cached)
+    return s
+
+
+def test_a_new_prefix_goes_where_it_evicts_nothing_when_cached_prefixes_are_reused():
+    # Pod a is a little faster but its prefix cache is full: a new 1,000-token prompt
+    # there pushes out 62 held blocks, which later requests would compute again. Pod b has
+    # room. Without the price, every new prefix went to the faster pod until its cache
+    # held more prefixes than fit.
+    s = _faster_a_and_reuse(0.7)
+    pods = [pod("a:1", num_gpu_blocks=256), pod("b:1", num_gpu_blocks=256)]
+    c = ctx(1000, now=5000.0)
+    c.held_blocks = {"a:1": 256, "b:1": 40}
+    scores = s.score(c, pods)
+    a, b = c.components["a:1"], c.components["b:1"]
+    assert a["ttft_s"] < b["ttft_s"]  # a still answers this request first
+    assert a["displaced_s"] > 0 and b["displaced_s"] == 0.0
+    assert scores[1] == 1.0 > scores[0]
+
+
+def test_a_new_prefix_goes_to_the_faster_pod_when_nothing_cached_is_reused_or_both_are_full():
+    pods = [pod("a:1", num_gpu_blocks=256), pod("b:1", num_gpu_blocks=256)]
+    unshared = _faster_a_and_reuse(0.0)  # answers never find anything cached
+    c = ctx(1000, now=5000.0)
+    c.held_blocks = {"a:1": 256, "b:1": 40}
+    assert unshared.score(c, pods)[0] == 1.0
+    assert c.components["a:1"]["displaced_s"] == 0.0
+    shared = _faster_a_and_reuse(0.7)
+    c = ctx(1000, now=5000.0)
+    c.held_blocks = {"a:1": 256, "b:1": 256}  # both full: either placement evicts as much
+    assert shared.score(c, pods)[0] == 1.0
+    assert c.components["a:1"]["displaced_s"] == pytest.approx(c.components["b:1"]["displaced_s"])
