@@ -167,8 +167,6 @@ class MemoryBlockIndex:
         self._entries -= dropped
         if released and bit == 1 << (2 * slot):
             self._gpu_held[slot] -= released
-        if self._spec:
-            self._drop_speculative(slot, keys)
 
     def clear_pod_sync(self, pod: str) -> None:
         """Forgets everything about `pod` and frees its slot."""
@@ -220,7 +218,6 @@ class MemoryBlockIndex:
             if held & pair:
                 # Confirmed already: the pod is about to reuse it, so it counts as used.
                 table[key] = table.pop(key)
-                continue
             slots = spec_get(key)
             if slots is None:
                 spec[key] = {slot: expiry}

@@ -94,10 +94,15 @@ for i = 4, #ARGV do
       redis.call('HSET', hk, pod, new)
     end
   end
-  if redis.call('HDEL', hk, '~' .. pod) == 1 then
-    redis.call('ZREM', ns .. ':spec', pod .. '|' .. k)
+  -- A speculative field stays: a request routed to the pod recomputes what it evicted.
+  local held = false
+  for _, f in ipairs(redis.call('HKEYS', hk)) do
+    if string.sub(f, 1, 1) ~= '~' then
+      held = true
+      break
+    end
   end
-  if redis.call('HLEN', hk) == 0 then
+  if not held then
     redis.call('ZREM', ns .. ':lru', k)
   end
 end
@@ -154,10 +159,10 @@ for i = 5, #ARGV do
   local hk = ns .. ':b:' .. k
   if redis.call('HGET', hk, pod) then
     redis.call('ZADD', ns .. ':lru', 'XX', tick, k)  -- confirmed and about to be reused
-  else
-    redis.call('HSET', hk, '~' .. pod, expiry)
-    redis.call('ZADD', specz, expiry, pod .. '|' .. k)
   end
+  -- Also speculative when confirmed: the pod may evict it before the request runs.
+  redis.call('HSET', hk, '~' .. pod, expiry)
+  redis.call('ZADD', specz, expiry, pod .. '|' .. k)
 end
 return 0
 """

@@ -143,6 +143,21 @@ async def test_speculative_entries_expire_unless_confirmed(backend: Backend) -> 
     assert await idx.lookup([1, 2]) == {"a": PrefixHit(2)}
 
 
+async def test_a_prompt_routed_to_its_holder_stays_held_there_when_the_pod_evicts_it(
+    backend: Backend,
+) -> None:
+    # A waiting request pins no blocks in vLLM: the pod may evict the prefix it was routed
+    # for before running it, and then computes it again. Either way the pod holds the
+    # prefix once the request has run, so the prompts that follow should go there too.
+    idx = backend.index
+    await idx.add("a", [1, 2, 3])
+    await idx.add_speculative("a", [1, 2, 3, 4], ttl_s=2.0)
+    await idx.remove("a", [2, 3])
+    assert await idx.lookup([1, 2, 3, 4]) == {"a": PrefixHit(4)}
+    backend.clock.now += 2.5  # the routing is no longer news: only events count
+    assert await idx.lookup([1, 2, 3, 4]) == {"a": PrefixHit(1)}
+
+
 async def test_duplicate_stores_are_idempotent(backend: Backend) -> None:
     idx = backend.index
     for _ in range(3):
