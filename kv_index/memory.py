@@ -61,6 +61,11 @@ class MemoryBlockIndex:
         # slots), so a lookup merges speculative holders with C-level maps, not a loop.
         self._spec_mask: dict[int, int] = {}
         self._spec_heap: list[tuple[float, int, tuple[int, ...]]] = []
+        # slot -> {key: expiry} of blocks routed to while the slot held them, in the
+        # current and the previous generation (each one speculative TTL long).
+        self._routed_current: dict[int, dict[int, float]] = {}
+        self._routed_previous: dict[int, dict[int, float]] = {}
+        self._routed_rotate_at = 0.0
         self.evicted_blocks = 0
 
     # ---- bookkeeping -----------------------------------------------------------------
@@ -167,6 +172,8 @@ class MemoryBlockIndex:
         self._entries -= dropped
         if released and bit == 1 << (2 * slot):
             self._gpu_held[slot] -= released
+            if slot in self._routed_current or slot in self._routed_previous:
+                self._routed_while_held(slot, keys)
 
     def clear_pod_sync(self, pod: str) -> None:
         """Forgets everything about `pod` and frees its slot."""
@@ -175,6 +182,8 @@ class MemoryBlockIndex:
             return
         del self._pod_of[slot]
         self._gpu_held.pop(slot, None)
+        self._routed_current.pop(slot, None)
+        self._routed_previous.pop(slot, None)
         self._all_pods_mask &= ~(1 << (2 * slot))
         pair = 3 << (2 * slot)
         keep = ~pair
@@ -218,6 +227,7 @@ class MemoryBlockIndex:
             if held & pair:
                 # Confirmed already: the pod is about to reuse it, so it counts as used.
                 table[key] = table.pop(key)
+                continue
             slots = spec_get(key)
             if slots is None:
                 spec[key] = {slot: expiry}
@@ -227,6 +237,44 @@ class MemoryBlockIndex:
                 mask[key] |= gpu_bit
             append(key)
         if fresh:
+            heapq.heappush(self._spec_heap, (expiry, slot, tuple(fresh)))
+        # A waiting request pins no blocks in vLLM: should the pod evict the held ones
+        # before the request runs, it computes them again, so they stay held there (see
+        # remove_sync). Recorded in C for every key; two generations of `ttl_s` bound it.
+        if now >= self._routed_rotate_at:
+            self._routed_previous = self._routed_current
+            self._routed_current = {}
+            self._routed_rotate_at = now + ttl_s
+        routed = self._routed_current.get(slot)
+        if routed is None:
+            routed = self._routed_current[slot] = {}
+        routed.update(zip(keys, repeat(expiry)))
+
+    def _routed_while_held(self, slot: int, keys: Sequence[int]) -> None:
+        """Keys of `slot` just removed that a request routed there while they were held
+        will compute again: speculative entries until that routing's expiry."""
+        now = self._clock()
+        current = self._routed_current.get(slot, {})
+        previous = self._routed_previous.get(slot, {})
+        spec = self._spec
+        mask = self._spec_mask
+        gpu_bit = 1 << (2 * slot)
+        by_expiry: dict[float, list[int]] = {}
+        for key in keys:
+            expiry = current.get(key) or previous.get(key)
+            if expiry is None or expiry <= now:
+                continue
+            slots = spec.get(key)
+            if slots is None:
+                spec[key] = {slot: expiry}
+                mask[key] = gpu_bit
+            elif slots.get(slot, 0.0) < expiry:
+                slots[slot] = expiry
+                mask[key] |= gpu_bit
+            else:
+                continue
+            by_expiry.setdefault(expiry, []).append(key)
+        for expiry, fresh in by_expiry.items():
             heapq.heappush(self._spec_heap, (expiry, slot, tuple(fresh)))
 
     def _drop_speculative(self, slot: int, keys: Iterable[int]) -> None:

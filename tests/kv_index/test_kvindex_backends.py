@@ -156,6 +156,10 @@ async def test_a_prompt_routed_to_its_holder_stays_held_there_when_the_pod_evict
     assert await idx.lookup([1, 2, 3, 4]) == {"a": PrefixHit(4)}
     backend.clock.now += 2.5  # the routing is no longer news: only events count
     assert await idx.lookup([1, 2, 3, 4]) == {"a": PrefixHit(1)}
+    await idx.add_speculative("a", [1], ttl_s=2.0)
+    backend.clock.now += 2.5
+    await idx.remove("a", [1])  # evicted after that routing stopped being news
+    assert await idx.lookup([1, 2, 3, 4]) == {}
 
 
 async def test_duplicate_stores_are_idempotent(backend: Backend) -> None:
