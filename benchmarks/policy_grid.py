@@ -1,6 +1,7 @@
 """Every routing policy over a grid of workloads x loads x prefill-attention costs.
 
     .venv/bin/python benchmarks/policy_grid.py [--requests N] [--pods N] [--jobs N]
+        [--seed S] [--pod-slowdowns F,F,...] [--kv-tokens N] [--name STEM]
 
 Cells: traces {Mooncake synthetic (the real trace's first N requests, its own arrival
 pattern time-scaled), an llm-d-shaped shared-prefix workload (distinct prompts, no prompt
@@ -16,6 +17,11 @@ machine at a load average near 20. A cell is a sample, not a long-run average, a
 numbers move with the seed. Writes `benchmarks/results/policy_grid.json` and a heat map of
 each policy's TTFT p90 relative to the best policy of its cell
 (`benchmarks/results/policy_grid_ttft_p90.png`).
+
+The pool is identical pods with the profile's large KV cache unless told otherwise:
+`--pod-slowdowns` makes some pods slower (mixed GPUs; the offered load then counts the
+pool's capacity at those speeds) and `--kv-tokens` gives every pod a smaller cache, so
+prefixes are evicted (`policy_grid_pod_slowdowns*.json`, `policy_grid_kv64k*.json`).
 """
 
 from __future__ import annotations

@@ -106,6 +106,24 @@ def test_profile_file_is_accepted_and_the_limit_is_never_lifted(tmp_path: Path, 
     assert "above the 512 tokens of profile small" in capsys.readouterr().out
 
 
+def test_pod_slowdowns_slow_the_named_pods_and_are_recorded(tmp_path: Path, capsys) -> None:
+    trace = _workload_yaml(tmp_path)
+    argv = ["--trace", str(trace), "--qps", "0.5", "--pods", "2", "--policy", "round-robin",
+            "--no-plots", "--routing-latency", "0"]  # fmt: skip
+    ttft = {}
+    for name, extra in (("even", []), ("uneven", ["--pod-slowdowns", "3,1"])):
+        out = tmp_path / name
+        assert _replay([*argv, "--out", str(out), *extra]) == 0
+        doc = json.loads((out / "replay_sp.json").read_text())
+        ttft[name] = doc["policies"]["round-robin"]["ttft_p50_s"]
+        assert doc["pod_slowdowns"] == ([3.0, 1.0] if extra else [])
+    # Round-robin sends half the requests, far apart, to the pod three times slower.
+    assert ttft["uneven"] > 1.5 * ttft["even"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["replay", "--trace", str(trace), "--pod-slowdowns", "1,0"])
+    assert "comma-separated positive numbers" in capsys.readouterr().err
+
+
 def test_same_seed_same_json_for_the_real_scheduler(tmp_path: Path) -> None:
     trace = _workload_yaml(tmp_path)
     docs = []
