@@ -61,7 +61,7 @@ class MemoryBlockIndex:
         # slots), so a lookup merges speculative holders with C-level maps, not a loop.
         self._spec_mask: dict[int, int] = {}
         self._spec_heap: list[tuple[float, int, tuple[int, ...]]] = []
-        # slot -> {key: expiry} of blocks routed to while the slot held them, in the
+        # slot -> {key: expiry} of blocks a request was routed to the slot for, in the
         # current and the previous generation (each one speculative TTL long).
         self._routed_current: dict[int, dict[int, float]] = {}
         self._routed_previous: dict[int, dict[int, float]] = {}
@@ -251,8 +251,9 @@ class MemoryBlockIndex:
         routed.update(zip(keys, repeat(expiry)))
 
     def _routed_while_held(self, slot: int, keys: Sequence[int]) -> None:
-        """Keys of `slot` just removed that a request routed there while they were held
-        will compute again: speculative entries until that routing's expiry."""
+        """Keys of `slot` just removed that a request was routed there for within its
+        speculative TTL: one that has not run yet computes them again, so they count as
+        held (speculatively) until that routing's expiry."""
         now = self._clock()
         current = self._routed_current.get(slot, {})
         previous = self._routed_previous.get(slot, {})
