@@ -143,9 +143,10 @@ def load_workload(trace: str, n: int, seed: int) -> list[TraceRequest]:
     return multi_turn_workload(n, seed)
 
 
-def pool_speed(pods: int, slowdowns: Sequence[float]) -> float:
+def pool_speed(pods: int, slowdowns: tuple[float, ...]) -> float:
     """The pool's prefill capacity in pods of the profile's speed."""
-    return sum(1.0 / slowdowns[i] if i < len(slowdowns) else 1.0 for i in range(pods))
+    config = SimConfig(pods=pods, pod_slowdowns=slowdowns)
+    return sum(1.0 / config.slowdown(i) for i in range(pods))
 
 
 def arrivals_for_load(
@@ -154,7 +155,7 @@ def arrivals_for_load(
     load: float,
     pods: int,
     seed: int,
-    slowdowns: Sequence[float] = (),
+    slowdowns: tuple[float, ...] = (),
 ) -> list[float]:
     """Arrival times offering `load` x the pool's raw prefill capacity in prompt tokens/s."""
     capacity = pool_speed(pods, slowdowns) / PROFILES[BASE_PROFILE].prefill_s_per_token

@@ -3,7 +3,7 @@ data producers a scheduler asks (tokenization, prefix lookup)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 from .types import Decision, LLMRequest, Outcome, PodState, PrefixHit
@@ -51,7 +51,7 @@ class PrefixMatcher(Protocol):
         """The same without awaiting, or None when the backend cannot answer synchronously."""
         ...
 
-    def held_blocks(self, addresses: Iterable[str]) -> Mapping[str, int] | None:
+    def held_blocks(self, addresses: Collection[str]) -> Mapping[str, int] | None:
         """Blocks each pod holds in all (its prefix cache's fill), or None when unknown."""
         ...
 

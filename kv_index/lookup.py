@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 from ..framework.types import LLMRequest, PrefixHit
 from .api import BlockIndex
@@ -100,13 +100,14 @@ class IndexPrefixMatcher:
             hits.setdefault(address, PrefixHit(blocks=0))
         return hits
 
-    def held_blocks(self, addresses: Iterable[str]) -> dict[str, int] | None:
+    def held_blocks(self, addresses: Collection[str]) -> Mapping[str, int] | None:
         """Blocks each pod holds in all (GPU tier, per its KV events), or None when the
-        index cannot count them synchronously."""
+        index cannot count them synchronously. Counted when asked: most policies never
+        ask, and the one that does asks only about pods whose caches it prices."""
         held_blocks_sync = getattr(self.index, "held_blocks_sync", None)
         if held_blocks_sync is None:
             return None
-        return {address: held_blocks_sync(address) for address in addresses}
+        return _HeldBlocks(addresses, held_blocks_sync)
 
     def speculate(
         self,
@@ -139,3 +140,24 @@ class IndexPrefixMatcher:
         self._pending.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("speculative index entry failed: %s", task.exception())
+
+
+class _HeldBlocks(Mapping[str, int]):
+    """Each of `addresses`' held-block count, read from the index on lookup."""
+
+    __slots__ = ("_addresses", "_count")
+
+    def __init__(self, addresses: Collection[str], count: Callable[[str], int]) -> None:
+        self._addresses = addresses
+        self._count = count
+
+    def __getitem__(self, address: str) -> int:
+        if address not in self._addresses:
+            raise KeyError(address)
+        return self._count(address)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._addresses)
+
+    def __len__(self) -> int:
+        return len(self._addresses)

@@ -509,16 +509,22 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         # at the pool's cost shape (not the pod's speed factor, so that pods that merely
         # look faster are not favoured for it) and at the pool's utilisation.
         rho = self.utilisation(now, pods)
+        shape_c1, shape_c2 = typical * pool_c1, typical * pool_c2
+
+        def cold_prefill_s(tokens: float) -> float:
+            """`tokens` computed from scratch, at the pool's cost shape."""
+            return (
+                shape_c1 * tokens / TOKEN_UNIT + shape_c2 * attention_pairs(tokens, 0.0) / PAIR_UNIT
+            )
+
         duplicated: list[float] = [0.0] * len(pods)
         if rho > 0 and hit_list:
             per_work = weight * rho / (1.0 - rho)
             best_hit = max(hit_list)
-            c1, c2 = typical * pool_c1, typical * pool_c2
             for i, held in enumerate(hit_list):
                 extra = best_hit - held
                 if extra > 0:
-                    dup_pairs = attention_pairs(extra, 0.0)
-                    duplicated[i] = c1 * extra / TOKEN_UNIT + c2 * dup_pairs / PAIR_UNIT
+                    duplicated[i] = cold_prefill_s(extra)
                     costs[i] += per_work * duplicated[i]
         # A prompt's new blocks on a pod whose prefix cache is full push as many held
         # blocks out (vLLM evicts the least recently used), which the requests that would
@@ -531,7 +537,6 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         held_blocks = ctx.held_blocks
         reuse = self.reuse_rate
         if held_blocks and reuse > 0:
-            c1, c2 = typical * pool_c1, typical * pool_c2
             for i, pod in enumerate(pods):
                 address = pod.endpoint.address
                 capacity = pod.metrics.num_gpu_blocks
@@ -542,10 +547,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                 new_blocks = int(own_list[i][0]) // block_size
                 evicted = min(new_blocks, held_now + new_blocks - capacity)
                 if evicted > 0:
-                    tokens = float(evicted * block_size)
-                    displaced[i] = reuse * (
-                        c1 * tokens / TOKEN_UNIT + c2 * attention_pairs(tokens, 0.0) / PAIR_UNIT
-                    )
+                    displaced[i] = reuse * cold_prefill_s(float(evicted * block_size))
                     costs[i] += displaced[i]
         if explain is not None:
             for pod, t, cost, dup, gone in zip(

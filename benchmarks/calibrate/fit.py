@@ -18,16 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import nnls
 
-from ..sim.profiles import prefill_token_pairs
+from ..sim.profiles import STEP_COEFFICIENTS, prefill_token_pairs
 
-COEFFICIENTS = (
-    "step_overhead_s",
-    "prefill_s_per_token",
-    "prefill_attention_s_per_token_pair",
-    "decode_s_per_seq",
-    "decode_kv_read_s_per_token",
-    "prefill_s_per_request",
-)
+COEFFICIENTS = STEP_COEFFICIENTS
 
 
 @dataclass(frozen=True, slots=True)

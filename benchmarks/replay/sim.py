@@ -68,6 +68,10 @@ class SimConfig:
     # throttled card, a noisy neighbour on the host.
     pod_slowdowns: tuple[float, ...] = ()
 
+    def slowdown(self, i: int) -> float:
+        """Pod `i`'s step time as a multiple of the profile's."""
+        return self.pod_slowdowns[i] if i < len(self.pod_slowdowns) else 1.0
+
 
 @dataclass(slots=True)
 class RoutedPolicy:
@@ -117,13 +121,12 @@ class SimPool:
     def build(cls, config: SimConfig) -> SimPool:
         pool = cls(config)
         profile = get_profile(config.profile)
-        slowdowns = config.pod_slowdowns
         for i in range(config.pods):
             address = pod_address(i)
             pool.engines[address] = SimEngine(
                 EngineConfig(
                     block_size=config.block_size,
-                    profile=profile.slowed(slowdowns[i]) if i < len(slowdowns) else profile,
+                    profile=profile.slowed(config.slowdown(i)),
                     max_model_len=config.max_model_len,
                     num_blocks=config.num_blocks,
                     hash_seed="replay",

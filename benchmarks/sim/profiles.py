@@ -106,7 +106,7 @@ class LatencyProfile(BaseModel):
         if factor == 1.0:
             return self
         return self.model_copy(
-            update={name: getattr(self, name) * factor for name in _TIME_FIELDS}
+            update={name: getattr(self, name) * factor for name in STEP_COEFFICIENTS}
             | {"name": f"{self.name}x{factor:g}"}
         )
 
@@ -114,8 +114,9 @@ class LatencyProfile(BaseModel):
         return yaml.dump(self.model_dump(), Dumper=_Dumper, sort_keys=False, width=100)
 
 
-# The coefficients that are times (seconds), as opposed to capacities and limits.
-_TIME_FIELDS = (
+# The step-cost coefficients (seconds per unit), as opposed to capacities and limits:
+# what `epp calibrate` fits and what a slower pod multiplies.
+STEP_COEFFICIENTS = (
     "step_overhead_s",
     "prefill_s_per_token",
     "prefill_attention_s_per_token_pair",
