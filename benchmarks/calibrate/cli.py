@@ -1,4 +1,7 @@
-"""``epp calibrate``: measure a live vLLM pod (or `epp sim`) and write a latency profile."""
+"""``epp calibrate``: measure a live vLLM pod (or `epp sim`) and write a latency profile.
+
+``--from-forward FILE...`` fits one to ``benchmarks/calibrate/gpu_forward.py``'s timings of
+a model's forward steps on a GPU instead of measuring a pod."""
 
 from __future__ import annotations
 
@@ -27,7 +30,14 @@ def register(subparsers: Any) -> None:
         help="measure a live vLLM pod and write a latency profile for `epp sim` / `epp replay`",
         description=__doc__,
     )
-    p.add_argument("--target", required=True, metavar="URL", help="the pod's base URL")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--target", metavar="URL", help="the pod's base URL")
+    source.add_argument("--from-forward", type=Path, nargs="+", metavar="FILE",
+                        help="fit benchmarks/calibrate/gpu_forward.py's measurements of a "
+                        "model's forward steps on a GPU instead of measuring a pod")  # fmt: skip
+    p.add_argument("--max-model-len", type=int, default=32768,
+                   help="with --from-forward: the serving limit to write "
+                   "(default %(default)s)")  # fmt: skip
     p.add_argument("--model", default="", help="served model name (default: the first listed)")
     p.add_argument("--out", type=Path, help="profile file to write (default: <name>.yaml)")
     p.add_argument("--name", help="profile name (default: calibrated-<model>)")
@@ -62,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     if args.scrape_interval < 0:
         console.print("[red]error:[/red] --scrape-interval must not be negative")
         return 2
+    if args.from_forward:
+        return from_forward(args, console)
     try:
         profile, result = asyncio.run(calibrate(args, console))
     except (ProbeError, ValueError) as exc:
@@ -70,11 +82,33 @@ def run(args: argparse.Namespace) -> int:
     except aiohttp.ClientError as exc:
         console.print(f"[red]error:[/red] cannot reach {args.target}: {exc}")
         return 1
+    return write_profile(profile, result, args.out, console)
+
+
+def write_profile(profile: LatencyProfile, result: Fit, out: Path | None, console: Console) -> int:
     console.print(fit_table(result))
-    out = args.out or Path(f"{profile.name}.yaml")
+    out = out or Path(f"{profile.name}.yaml")
     out.write_text(profile.to_yaml())
     console.print(f"wrote {out} (load it with `epp sim --profile {out}`)")
     return 0
+
+
+def from_forward(args: argparse.Namespace, console: Console) -> int:
+    from .forward import forward_profile
+
+    if args.max_model_len < 1:
+        console.print("[red]error:[/red] --max-model-len must be at least 1")
+        return 2
+    name = args.name or args.from_forward[0].stem
+    try:
+        profile, result = forward_profile(
+            args.from_forward, name, args.max_model_len, args.max_num_batched_tokens,
+            args.max_num_seqs,
+        )  # fmt: skip
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 1
+    return write_profile(profile, result, args.out, console)
 
 
 async def calibrate(args: argparse.Namespace, console: Console) -> tuple[LatencyProfile, Fit]:

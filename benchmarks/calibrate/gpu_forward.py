@@ -1,0 +1,323 @@
+"""Times a transformer's engine steps on a GPU: the raw measurements behind a GPU profile.
+
+Run with PyTorch and a CUDA GPU (it imports nothing else from smart-epp, so it runs under
+any Python that has torch):
+
+    python benchmarks/calibrate/gpu_forward.py --out h200.json
+
+It builds a model of the given shape (default: Llama-3-8B, 32 layers, hidden 4096, 32 query
+and 8 KV heads of 128, MLP 14336, vocabulary 128256) with random bf16 weights and times
+what one vLLM engine step computes:
+
+- a prefill chunk of ``n`` new tokens after ``c`` tokens already in the KV cache: every
+  layer's projections and MLP over the ``n`` tokens, causal attention of the ``n`` queries
+  over ``c + n`` keys (FlashAttention through ``scaled_dot_product_attention`` with a
+  lower-right causal mask), the new keys and values written into the cache, and the logits
+  of the last token;
+- a decode step of ``B`` sequences of ``L`` context tokens each: one token per sequence
+  through every layer, attention over its ``L`` cached keys, ``B`` rows of logits.
+
+Each shape is captured once as a CUDA graph (as vLLM runs its steps) and replayed; the
+median of the replays, timed with CUDA events, is kept. What this does not include, and a
+vLLM step adds: the scheduler and input preparation on the CPU, paged (block-table)
+attention instead of contiguous caches, and sampling. The KV cache is one layer's worth,
+read by every layer: each read still comes from HBM (one layer's cache is far larger than
+the L2 cache), so the time is the same while the memory is 1/layers of a real one.
+
+``epp calibrate --from-forward FILE`` fits a latency profile to the file this writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 32
+    hidden: int = 4096
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    intermediate: int = 14336
+    vocab: int = 128256
+
+    @property
+    def parameters(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        per_layer = (
+            self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+        )
+        return self.layers * per_layer + 2 * self.vocab * self.hidden
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2  # K and V, bf16
+
+
+class Model:
+    """Random bf16 weights of ``shape``; forward passes for one prefill chunk or one decode."""
+
+    def __init__(self, shape: Shape, device: torch.device, dtype: torch.dtype) -> None:
+        self.shape, self.device, self.dtype = shape, device, dtype
+        s = shape
+        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+
+        def weight(rows: int, cols: int) -> torch.Tensor:
+            return torch.randn(rows, cols, device=device, dtype=dtype) / math.sqrt(rows)
+
+        self.embed = weight(s.vocab, s.hidden)
+        self.lm_head = weight(s.hidden, s.vocab)
+        self.layers = [
+            {
+                "qkv": weight(s.hidden, q + 2 * kv),
+                "o": weight(q, s.hidden),
+                "gate_up": weight(s.hidden, 2 * s.intermediate),
+                "down": weight(s.intermediate, s.hidden),
+                "norm1": torch.ones(s.hidden, device=device, dtype=dtype),
+                "norm2": torch.ones(s.hidden, device=device, dtype=dtype),
+            }
+            for _ in range(s.layers)
+        ]
+        self.final_norm = torch.ones(s.hidden, device=device, dtype=dtype)
+
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        half = self.shape.head_dim // 2
+        freqs = 1.0 / (500000.0 ** (torch.arange(half, device=self.device) / half))
+        angles = (positions[:, None].float() * freqs[None, :])[:, None, :]  # [tokens, 1 head, d/2]
+        cos, sin = angles.cos().to(self.dtype), angles.sin().to(self.dtype)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def _mlp(self, layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ layer["gate_up"]).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ layer["down"]
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps=1e-5)
+
+    def prefill(
+        self, tokens: torch.Tensor, cached: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """``tokens`` [n] after ``cached`` cached ones; caches [1, kv_heads, >= cached+n, d]."""
+        s, n = self.shape, tokens.shape[0]
+        group = s.heads // s.kv_heads
+        positions = torch.arange(cached, cached + n, device=self.device)
+        mask = causal_lower_right(n, cached + n)
+        x = self.embed[tokens]
+        for layer in self.layers:
+            h = self._norm(x, layer["norm1"])
+            qkv = h @ layer["qkv"]
+            q, k, v = qkv.split(
+                (s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim), -1
+            )
+            q = self._rotary(q.view(n, s.heads, s.head_dim), positions).transpose(0, 1)
+            k = self._rotary(k.view(n, s.kv_heads, s.head_dim), positions).transpose(0, 1)
+            k_cache[0, :, cached : cached + n] = k
+            v_cache[0, :, cached : cached + n] = v.view(n, s.kv_heads, s.head_dim).transpose(0, 1)
+            keys = k_cache[:, :, : cached + n].repeat_interleave(group, dim=1)
+            values = v_cache[:, :, : cached + n].repeat_interleave(group, dim=1)
+            attn = F.scaled_dot_product_attention(q.unsqueeze(0), keys, values, attn_mask=mask)
+            x = x + attn[0].transpose(0, 1).reshape(n, -1) @ layer["o"]
+            x = x + self._mlp(layer, self._norm(x, layer["norm2"]))
+        return self._norm(x[-1:], self.final_norm) @ self.lm_head
+
+    def decode(
+        self, tokens: torch.Tensor, context: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """One token for each of ``B`` sequences with ``context`` cached tokens each;
+        caches [B, kv_heads, context, d]. A KV head's query heads share its keys, so they are
+        attended as that head's query rows: exact grouped-query attention, no copies."""
+        s, batch = self.shape, tokens.shape[0]
+        group = s.heads // s.kv_heads
+        positions = torch.full((batch,), context, device=self.device)
+        x = self.embed[tokens]
+        for layer in self.layers:
+            h = self._norm(x, layer["norm1"])
+            qkv = h @ layer["qkv"]
+            q, _k, _v = qkv.split(
+                (s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim), -1
+            )
+            q = self._rotary(q.view(batch, s.heads, s.head_dim), positions)
+            q = q.view(batch, s.kv_heads, group, s.head_dim)
+            attn = F.scaled_dot_product_attention(q, k_cache, v_cache)
+            x = x + attn.reshape(batch, -1) @ layer["o"]
+            x = x + self._mlp(layer, self._norm(x, layer["norm2"]))
+        return self._norm(x, self.final_norm) @ self.lm_head
+
+
+def timed(step: Callable[[], object], repeats: int, use_graph: bool) -> tuple[float, bool]:
+    """Median seconds of ``step``, replayed as a CUDA graph where it can be captured."""
+    if not torch.cuda.is_available():
+        step()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times), False
+    run = step
+    graphed = False
+    if use_graph:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()  # warm-up on a side stream, as graph capture requires
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            run, graphed = graph.replay, True
+        except RuntimeError as exc:
+            print(f"  graph capture failed ({exc}); timing eagerly", file=sys.stderr)
+            torch.cuda.synchronize()
+    run()
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000.0)
+    return statistics.median(times), graphed
+
+
+def attention_backend(device: torch.device, dtype: torch.dtype) -> list[SDPBackend]:
+    """FlashAttention where this GPU and PyTorch run it with a lower-right causal mask."""
+    if device.type != "cuda":
+        return [SDPBackend.MATH]
+    q = torch.randn(1, 4, 64, 128, device=device, dtype=dtype)
+    kv = torch.randn(1, 4, 192, 128, device=device, dtype=dtype)
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                F.scaled_dot_product_attention(q, kv, kv, attn_mask=causal_lower_right(64, 192))
+            return [backend]
+        except RuntimeError:
+            continue
+    return [SDPBackend.MATH]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--layers", type=int, default=Shape.layers)
+    p.add_argument("--hidden", type=int, default=Shape.hidden)
+    p.add_argument("--heads", type=int, default=Shape.heads)
+    p.add_argument("--kv-heads", type=int, default=Shape.kv_heads)
+    p.add_argument("--intermediate", type=int, default=Shape.intermediate)
+    p.add_argument("--vocab", type=int, default=Shape.vocab)
+    p.add_argument("--model-name", default="Llama-3-8B (shape only, random weights)")
+    p.add_argument("--chunks", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192],
+                   help="new tokens per prefill step")  # fmt: skip
+    p.add_argument("--cached", type=int, nargs="+", default=[0, 4096, 16384, 32768],
+                   help="tokens already in the cache before the chunk")  # fmt: skip
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
+    p.add_argument("--max-decode-kv-tokens", type=int, default=1 << 21,
+                   help="skip decode shapes whose batch x context exceeds this")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--no-graphs", action="store_true", help="time eagerly")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+
+    shape = Shape(
+        args.layers, args.hidden, args.heads, args.kv_heads, Shape.head_dim,
+        args.intermediate, args.vocab,
+    )  # fmt: skip
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    model = Model(shape, device, dtype)
+    backend = attention_backend(device, dtype)
+    graphs = not args.no_graphs
+    result: dict[str, Any] = {
+        "model": args.model_name,
+        "shape": asdict(shape),
+        "parameters": shape.parameters,
+        "kv_bytes_per_token": shape.kv_bytes_per_token,
+        "dtype": str(dtype).removeprefix("torch."),
+        "attention_backend": backend[0].name,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "repeats": args.repeats,
+        "measured_on": time.strftime("%Y-%m-%d", time.gmtime()),
+        "prefill": [],
+        "decode": [],
+    }
+    if device.type == "cuda":
+        _free, total = torch.cuda.mem_get_info(device)
+        result["gpu_memory_total_bytes"] = total
+        result["weights_bytes"] = torch.cuda.memory_allocated(device)
+
+    longest = max(args.cached) + max(args.chunks)
+    k_cache = torch.zeros(1, shape.kv_heads, longest, shape.head_dim, device=device, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    with torch.inference_mode(), sdpa_kernel(backend):
+        for cached in args.cached:
+            for n in args.chunks:
+                tokens = torch.randint(0, shape.vocab, (n,), device=device)
+                seconds, graphed = timed(
+                    functools.partial(model.prefill, tokens, cached, k_cache, v_cache),
+                    args.repeats,
+                    graphs,
+                )
+                result["prefill"].append(
+                    {"new_tokens": n, "cached_tokens": cached, "seconds": seconds, "graph": graphed}
+                )
+                print(f"prefill n={n:6d} c={cached:6d}: {seconds * 1e3:9.3f} ms", file=sys.stderr)
+        del k_cache, v_cache
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            result["peak_prefill_bytes"] = torch.cuda.max_memory_allocated(device)
+        for context in args.contexts:
+            for batch in args.batches:
+                if batch * context > args.max_decode_kv_tokens:
+                    continue
+                kd = torch.randn(
+                    batch, shape.kv_heads, context, shape.head_dim, device=device, dtype=dtype
+                )
+                vd = torch.randn_like(kd)
+                tokens = torch.randint(0, shape.vocab, (batch,), device=device)
+                seconds, graphed = timed(
+                    functools.partial(model.decode, tokens, context, kd, vd), args.repeats, graphs
+                )
+                result["decode"].append(
+                    {
+                        "batch": batch,
+                        "context_tokens": context,
+                        "seconds": seconds,
+                        "graph": graphed,
+                    }
+                )
+                print(
+                    f"decode B={batch:4d} L={context:6d}: {seconds * 1e3:9.3f} ms", file=sys.stderr
+                )
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
