@@ -72,12 +72,13 @@ MODEL = "model"
 BLOCK_SIZE = SimConfig().block_size
 
 
-def grid_profile(factor: float) -> str:
-    """Registers the base profile with `factor` x its prefill attention cost (a roofline
-    estimate, hence the 0x and 2x cells) and returns the variant's name."""
-    name = f"{BASE_PROFILE}-attn{factor:g}x"
+def grid_profile(factor: float, base_name: str = BASE_PROFILE) -> str:
+    """Registers the base profile with `factor` x its prefill attention cost (the default
+    base's is a roofline estimate, hence the 0x and 2x cells) and returns the variant's
+    name."""
+    name = f"{base_name}-attn{factor:g}x"
     if name not in PROFILES:
-        base = PROFILES[BASE_PROFILE]
+        base = PROFILES[base_name]
         PROFILES[name] = base.model_copy(
             update={
                 "name": name,
@@ -156,9 +157,10 @@ def arrivals_for_load(
     pods: int,
     seed: int,
     slowdowns: tuple[float, ...] = (),
+    profile: str = BASE_PROFILE,
 ) -> list[float]:
     """Arrival times offering `load` x the pool's raw prefill capacity in prompt tokens/s."""
-    capacity = pool_speed(pods, slowdowns) / PROFILES[BASE_PROFILE].prefill_s_per_token
+    capacity = pool_speed(pods, slowdowns) / PROFILES[profile].prefill_s_per_token
     tokens = sum(r.input_tokens for r in requests)
     if trace == "mooncake":
         natural = scaled_arrivals(requests, 1.0)
@@ -188,13 +190,14 @@ def run_cell(
     seed: int,
     slowdowns: tuple[float, ...] = (),
     kv_tokens: int | None = None,
+    profile: str = BASE_PROFILE,
 ) -> dict[str, Any]:
     requests = load_workload(cell.trace, n, seed)
-    arrivals = arrivals_for_load(cell.trace, requests, cell.load, pods, seed, slowdowns)
+    arrivals = arrivals_for_load(cell.trace, requests, cell.load, pods, seed, slowdowns, profile)
     # Requests longer than the profile's context are rejected, the same ones for every policy.
     config = SimConfig(
         pods=pods,
-        profile=grid_profile(cell.attention),
+        profile=grid_profile(cell.attention, profile),
         model=MODEL,
         pod_slowdowns=slowdowns,
         num_blocks=None if kv_tokens is None else kv_tokens // BLOCK_SIZE,
@@ -296,6 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{PROFILES[BASE_PROFILE].kv_tokens:,}); smaller caches put prefixes under eviction "
         "pressure, as on GPUs with less memory left after the weights",
     )
+    ap.add_argument(
+        "--profile",
+        default=BASE_PROFILE,
+        choices=sorted(n for n in PROFILES if "-attn" not in n),
+        help="the pods' latency profile, whose attention cost the grid scales "
+        "(default: %(default)s)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     ap.add_argument("--name", default="policy_grid")
     args = ap.parse_args(argv)
@@ -313,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.seed,
                 args.pod_slowdowns,
                 args.kv_tokens,
+                args.profile,
             )
             for c in cells
         }
@@ -328,10 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         "requests_per_cell": args.requests,
         "pods": args.pods,
         "pod_slowdowns": list(args.pod_slowdowns),
-        "kv_tokens_per_pod": args.kv_tokens or PROFILES[BASE_PROFILE].kv_tokens,
+        "kv_tokens_per_pod": args.kv_tokens or PROFILES[args.profile].kv_tokens,
         "seed": args.seed,
-        "profile": BASE_PROFILE,
-        "profile_attention_s_per_pair": PROFILES[BASE_PROFILE].prefill_attention_s_per_token_pair,
+        "profile": args.profile,
+        "profile_attention_s_per_pair": PROFILES[args.profile].prefill_attention_s_per_token_pair,
         "load_definition": "offered prompt tokens/s / (pods / prefill_s_per_token)",
         "wall_s": round(time.perf_counter() - started, 1),
         "cells": results,
