@@ -137,6 +137,55 @@ class Model:
             x = x + self._mlp(layer, self._norm(x, layer["norm2"]))
         return self._norm(x[-1:], self.final_norm) @ self.lm_head
 
+    def mixed(
+        self,
+        tokens: torch.Tensor,
+        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
+        decode_context: int,
+        decode_caches: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """One step of several prefill chunks (new, cached, their caches) and a decode
+        batch, as vLLM batches them: projections and MLP over all the step's tokens at
+        once, attention per sequence. ``tokens``: the chunks' tokens, then one per decode
+        sequence."""
+        s = self.shape
+        group = s.heads // s.kv_heads
+        q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        batch = decode_caches[0].shape[0] if decode_caches is not None else 0
+        spans, start = [], 0
+        for n, cached, _, _ in prefills:
+            spans.append((start, n, cached))
+            start += n
+        positions = torch.cat(
+            [torch.arange(c, c + n, device=self.device) for _, n, c in spans]
+            + [torch.full((batch,), decode_context, device=self.device)]
+        )
+        masks = [causal_lower_right(n, c + n) for _, n, c in spans]
+        x = self.embed[tokens]
+        for layer in self.layers:
+            h = self._norm(x, layer["norm1"])
+            q, k, v = (h @ layer["qkv"]).split((q_width, kv_width, kv_width), -1)
+            q = self._rotary(q.view(-1, s.heads, s.head_dim), positions)
+            k = self._rotary(k.view(-1, s.kv_heads, s.head_dim), positions)
+            v = v.view(-1, s.kv_heads, s.head_dim)
+            outs = []
+            for (at, n, c), (_, _, kc, vc), mask in zip(spans, prefills, masks, strict=True):
+                kc[0, :, c : c + n] = k[at : at + n].transpose(0, 1)
+                vc[0, :, c : c + n] = v[at : at + n].transpose(0, 1)
+                keys = kc[:, :, : c + n].repeat_interleave(group, dim=1)
+                values = vc[:, :, : c + n].repeat_interleave(group, dim=1)
+                qs = q[at : at + n].transpose(0, 1).unsqueeze(0)
+                attn = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask)
+                outs.append(attn[0].transpose(0, 1).reshape(n, -1))
+            if decode_caches is not None:
+                qd = q[start:].reshape(batch, s.kv_heads, group, s.head_dim)
+                attn = F.scaled_dot_product_attention(qd, *decode_caches)
+                outs.append(attn.reshape(batch, -1))
+            x = x + torch.cat(outs) @ layer["o"]
+            x = x + self._mlp(layer, self._norm(x, layer["norm2"]))
+        last = [at + n - 1 for at, n, _ in spans] + list(range(start, start + batch))
+        return self._norm(x[last], self.final_norm) @ self.lm_head
+
     def decode(
         self, tokens: torch.Tensor, context: int, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> torch.Tensor:
@@ -217,6 +266,22 @@ def attention_backend(device: torch.device, dtype: torch.dtype) -> list[SDPBacke
     return [SDPBackend.MATH]
 
 
+def parse_mixed(spec: str) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """'N@C+N@C|BxL' -> ([(N, C), ...], (B, L)); either part may be left out."""
+    prefill_part, _, decode_part = spec.partition("|")
+    prefills = []
+    for item in filter(None, prefill_part.split("+")):
+        n, _, c = item.partition("@")
+        prefills.append((int(n), int(c or 0)))
+    batch, context = 0, 0
+    if decode_part:
+        b, _, ctx = decode_part.partition("x")
+        batch, context = int(b), int(ctx)
+    if not prefills and not batch:
+        raise SystemExit(f"--mixed {spec!r}: no prefill chunk and no decode batch")
+    return prefills, (batch, context)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
@@ -235,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     p.add_argument("--max-decode-kv-tokens", type=int, default=1 << 21,
                    help="skip decode shapes whose batch x context exceeds this")  # fmt: skip
+    p.add_argument("--mixed", nargs="+", default=[], metavar="SPEC",
+                   help="also time mixed steps, each 'N@C+N@C...' prefill chunks (N new "
+                   "tokens after C cached) and/or '|BxL' a decode batch: e.g. "
+                   "'2048@0+2048@0|32x2048'")  # fmt: skip
+    p.add_argument("--skip-pure", action="store_true",
+                   help="time only the --mixed steps")  # fmt: skip
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--no-graphs", action="store_true", help="time eagerly")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -264,13 +335,16 @@ def main(argv: list[str] | None = None) -> int:
         "measured_on": time.strftime("%Y-%m-%d", time.gmtime()),
         "prefill": [],
         "decode": [],
+        "mixed": [],
     }
     if device.type == "cuda":
         _free, total = torch.cuda.mem_get_info(device)
         result["gpu_memory_total_bytes"] = total
         result["weights_bytes"] = torch.cuda.memory_allocated(device)
 
-    longest = max(args.cached) + max(args.chunks)
+    if args.skip_pure:
+        args.cached, args.chunks, args.contexts = [], [], []
+    longest = max(args.cached, default=0) + max(args.chunks, default=0)
     k_cache = torch.zeros(1, shape.kv_heads, longest, shape.head_dim, device=device, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     with torch.inference_mode(), sdpa_kernel(backend):
@@ -313,6 +387,38 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"decode B={batch:4d} L={context:6d}: {seconds * 1e3:9.3f} ms", file=sys.stderr
                 )
+        for spec in args.mixed:
+            prefills_spec, decode_spec = parse_mixed(spec)
+            caches = []
+            for n, cached in prefills_spec:
+                kc = torch.zeros(
+                    1, shape.kv_heads, cached + n, shape.head_dim, device=device, dtype=dtype
+                )
+                caches.append((n, cached, kc, torch.zeros_like(kc)))
+            decode_caches = None
+            batch, context = decode_spec
+            if batch:
+                kd = torch.randn(
+                    batch, shape.kv_heads, context, shape.head_dim, device=device, dtype=dtype
+                )
+                decode_caches = (kd, torch.randn_like(kd))
+            total = sum(n for n, _ in prefills_spec) + batch
+            tokens = torch.randint(0, shape.vocab, (total,), device=device)
+            seconds, graphed = timed(
+                functools.partial(model.mixed, tokens, caches, context, decode_caches),
+                args.repeats,
+                graphs,
+            )
+            result["mixed"].append(
+                {
+                    "prefill": [list(pc) for pc in prefills_spec],
+                    "decode_batch": batch,
+                    "decode_context_tokens": context,
+                    "seconds": seconds,
+                    "graph": graphed,
+                }
+            )
+            print(f"mixed {spec}: {seconds * 1e3:9.3f} ms", file=sys.stderr)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}", file=sys.stderr)
