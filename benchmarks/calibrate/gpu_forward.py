@@ -111,43 +111,21 @@ class Model:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps=1e-5)
 
-    def prefill(
-        self, tokens: torch.Tensor, cached: int, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
-        """``tokens`` [n] after ``cached`` cached ones; caches [1, kv_heads, >= cached+n, d]."""
-        s, n = self.shape, tokens.shape[0]
-        group = s.heads // s.kv_heads
-        positions = torch.arange(cached, cached + n, device=self.device)
-        mask = causal_lower_right(n, cached + n)
-        x = self.embed[tokens]
-        for layer in self.layers:
-            h = self._norm(x, layer["norm1"])
-            qkv = h @ layer["qkv"]
-            q, k, v = qkv.split(
-                (s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim), -1
-            )
-            q = self._rotary(q.view(n, s.heads, s.head_dim), positions).transpose(0, 1)
-            k = self._rotary(k.view(n, s.kv_heads, s.head_dim), positions).transpose(0, 1)
-            k_cache[0, :, cached : cached + n] = k
-            v_cache[0, :, cached : cached + n] = v.view(n, s.kv_heads, s.head_dim).transpose(0, 1)
-            keys = k_cache[:, :, : cached + n].repeat_interleave(group, dim=1)
-            values = v_cache[:, :, : cached + n].repeat_interleave(group, dim=1)
-            attn = F.scaled_dot_product_attention(q.unsqueeze(0), keys, values, attn_mask=mask)
-            x = x + attn[0].transpose(0, 1).reshape(n, -1) @ layer["o"]
-            x = x + self._mlp(layer, self._norm(x, layer["norm2"]))
-        return self._norm(x[-1:], self.final_norm) @ self.lm_head
-
-    def mixed(
+    def step(
         self,
         tokens: torch.Tensor,
         prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]],
-        decode_context: int,
-        decode_caches: tuple[torch.Tensor, torch.Tensor] | None,
+        decode_context: int = 0,
+        decode_caches: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One step of several prefill chunks (new, cached, their caches) and a decode
-        batch, as vLLM batches them: projections and MLP over all the step's tokens at
-        once, attention per sequence. ``tokens``: the chunks' tokens, then one per decode
-        sequence."""
+        """One engine step: prefill chunks of ``(new, cached, k_cache, v_cache)`` (caches
+        [1, kv_heads, >= cached + new, d], the chunk's keys written at ``cached``) and a
+        decode batch over ``decode_caches`` ([batch, kv_heads, decode_context, d]), batched
+        as vLLM batches them: projections and MLP over all the step's tokens at once,
+        attention per sequence. ``tokens``: the chunks' tokens, then one per decoding
+        sequence. A decoding KV head's query heads share its keys, so they are attended as
+        that head's query rows: exact grouped-query attention, no copies. Returns the logits
+        of each chunk's last token and of each decoding sequence."""
         s = self.shape
         group = s.heads // s.kv_heads
         q_width, kv_width = s.heads * s.head_dim, s.kv_heads * s.head_dim
@@ -185,29 +163,6 @@ class Model:
             x = x + self._mlp(layer, self._norm(x, layer["norm2"]))
         last = [at + n - 1 for at, n, _ in spans] + list(range(start, start + batch))
         return self._norm(x[last], self.final_norm) @ self.lm_head
-
-    def decode(
-        self, tokens: torch.Tensor, context: int, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> torch.Tensor:
-        """One token for each of ``B`` sequences with ``context`` cached tokens each;
-        caches [B, kv_heads, context, d]. A KV head's query heads share its keys, so they are
-        attended as that head's query rows: exact grouped-query attention, no copies."""
-        s, batch = self.shape, tokens.shape[0]
-        group = s.heads // s.kv_heads
-        positions = torch.full((batch,), context, device=self.device)
-        x = self.embed[tokens]
-        for layer in self.layers:
-            h = self._norm(x, layer["norm1"])
-            qkv = h @ layer["qkv"]
-            q, _k, _v = qkv.split(
-                (s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim), -1
-            )
-            q = self._rotary(q.view(batch, s.heads, s.head_dim), positions)
-            q = q.view(batch, s.kv_heads, group, s.head_dim)
-            attn = F.scaled_dot_product_attention(q, k_cache, v_cache)
-            x = x + attn.reshape(batch, -1) @ layer["o"]
-            x = x + self._mlp(layer, self._norm(x, layer["norm2"]))
-        return self._norm(x, self.final_norm) @ self.lm_head
 
 
 def timed(step: Callable[[], object], repeats: int, use_graph: bool) -> tuple[float, bool]:
@@ -282,6 +237,75 @@ def parse_mixed(spec: str) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     return prefills, (batch, context)
 
 
+class Bench:
+    """Times steps of one model and collects what ``main`` writes."""
+
+    def __init__(self, model: Model, repeats: int, graphs: bool) -> None:
+        self.model, self.repeats, self.graphs = model, repeats, graphs
+        s, self.device, self.dtype = model.shape, model.device, model.dtype
+        self.cache_shape = (s.kv_heads, s.head_dim)
+
+    def cache(self, batch: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        heads, dim = self.cache_shape
+        k = torch.randn(batch, heads, tokens, dim, device=self.device, dtype=self.dtype)
+        return k, torch.randn_like(k)
+
+    def tokens(self, n: int) -> torch.Tensor:
+        return torch.randint(0, self.model.shape.vocab, (n,), device=self.device)
+
+    def time(self, label: str, entry: dict[str, Any], *step: Any) -> dict[str, Any]:
+        seconds, graphed = timed(
+            functools.partial(self.model.step, *step), self.repeats, self.graphs
+        )
+        print(f"{label}: {seconds * 1e3:9.3f} ms", file=sys.stderr)
+        return {**entry, "seconds": seconds, "graph": graphed}
+
+    def prefill(self, chunks: list[int], cached: list[int]) -> list[dict[str, Any]]:
+        """Each chunk after each cached length, over one cache long enough for all."""
+        if not chunks or not cached:
+            return []
+        k, v = self.cache(1, max(cached) + max(chunks))
+        return [
+            self.time(
+                f"prefill n={n:6d} c={c:6d}",
+                {"new_tokens": n, "cached_tokens": c},
+                self.tokens(n),
+                [(n, c, k, v)],
+            )
+            for c in cached
+            for n in chunks
+        ]
+
+    def decode(self, batches: list[int], contexts: list[int], max_kv: int) -> list[dict[str, Any]]:
+        out = []
+        for context in contexts:
+            for batch in batches:
+                if batch * context <= max_kv:
+                    out.append(
+                        self.time(
+                            f"decode B={batch:4d} L={context:6d}",
+                            {"batch": batch, "context_tokens": context},
+                            self.tokens(batch),
+                            [],
+                            context,
+                            self.cache(batch, context),
+                        )
+                    )
+        return out
+
+    def mixed(self, spec: str) -> dict[str, Any]:
+        chunks, (batch, context) = parse_mixed(spec)
+        prefills = [(n, c, *self.cache(1, c + n)) for n, c in chunks]
+        entry = {
+            "prefill": [list(chunk) for chunk in chunks],
+            "decode_batch": batch,
+            "decode_context_tokens": context,
+        }
+        total = sum(n for n, _ in chunks) + batch
+        decode = self.cache(batch, context) if batch else None
+        return self.time(f"mixed {spec}", entry, self.tokens(total), prefills, context, decode)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
@@ -342,83 +366,16 @@ def main(argv: list[str] | None = None) -> int:
         result["gpu_memory_total_bytes"] = total
         result["weights_bytes"] = torch.cuda.memory_allocated(device)
 
-    if args.skip_pure:
-        args.cached, args.chunks, args.contexts = [], [], []
-    longest = max(args.cached, default=0) + max(args.chunks, default=0)
-    k_cache = torch.zeros(1, shape.kv_heads, longest, shape.head_dim, device=device, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
+    bench = Bench(model, args.repeats, graphs)
     with torch.inference_mode(), sdpa_kernel(backend):
-        for cached in args.cached:
-            for n in args.chunks:
-                tokens = torch.randint(0, shape.vocab, (n,), device=device)
-                seconds, graphed = timed(
-                    functools.partial(model.prefill, tokens, cached, k_cache, v_cache),
-                    args.repeats,
-                    graphs,
-                )
-                result["prefill"].append(
-                    {"new_tokens": n, "cached_tokens": cached, "seconds": seconds, "graph": graphed}
-                )
-                print(f"prefill n={n:6d} c={cached:6d}: {seconds * 1e3:9.3f} ms", file=sys.stderr)
-        del k_cache, v_cache
+        if not args.skip_pure:
+            result["prefill"] = bench.prefill(args.chunks, args.cached)
         if device.type == "cuda":
             torch.cuda.empty_cache()
             result["peak_prefill_bytes"] = torch.cuda.max_memory_allocated(device)
-        for context in args.contexts:
-            for batch in args.batches:
-                if batch * context > args.max_decode_kv_tokens:
-                    continue
-                kd = torch.randn(
-                    batch, shape.kv_heads, context, shape.head_dim, device=device, dtype=dtype
-                )
-                vd = torch.randn_like(kd)
-                tokens = torch.randint(0, shape.vocab, (batch,), device=device)
-                seconds, graphed = timed(
-                    functools.partial(model.decode, tokens, context, kd, vd), args.repeats, graphs
-                )
-                result["decode"].append(
-                    {
-                        "batch": batch,
-                        "context_tokens": context,
-                        "seconds": seconds,
-                        "graph": graphed,
-                    }
-                )
-                print(
-                    f"decode B={batch:4d} L={context:6d}: {seconds * 1e3:9.3f} ms", file=sys.stderr
-                )
-        for spec in args.mixed:
-            prefills_spec, decode_spec = parse_mixed(spec)
-            caches = []
-            for n, cached in prefills_spec:
-                kc = torch.zeros(
-                    1, shape.kv_heads, cached + n, shape.head_dim, device=device, dtype=dtype
-                )
-                caches.append((n, cached, kc, torch.zeros_like(kc)))
-            decode_caches = None
-            batch, context = decode_spec
-            if batch:
-                kd = torch.randn(
-                    batch, shape.kv_heads, context, shape.head_dim, device=device, dtype=dtype
-                )
-                decode_caches = (kd, torch.randn_like(kd))
-            total = sum(n for n, _ in prefills_spec) + batch
-            tokens = torch.randint(0, shape.vocab, (total,), device=device)
-            seconds, graphed = timed(
-                functools.partial(model.mixed, tokens, caches, context, decode_caches),
-                args.repeats,
-                graphs,
-            )
-            result["mixed"].append(
-                {
-                    "prefill": [list(pc) for pc in prefills_spec],
-                    "decode_batch": batch,
-                    "decode_context_tokens": context,
-                    "seconds": seconds,
-                    "graph": graphed,
-                }
-            )
-            print(f"mixed {spec}: {seconds * 1e3:9.3f} ms", file=sys.stderr)
+        if not args.skip_pure:
+            result["decode"] = bench.decode(args.batches, args.contexts, args.max_decode_kv_tokens)
+        result["mixed"] = [bench.mixed(spec) for spec in args.mixed]
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {args.out}", file=sys.stderr)
