@@ -113,8 +113,13 @@ def describe(paths: Sequence[Path], runs: Sequence[dict[str, Any]], result: Fit)
         f"context tokens ({len(decode)} shapes); each the median of "
         f"{'/'.join(str(r.get('repeats', '?')) for r in runs)} CUDA-graph replays (per file).",
         "Not included, and added by a vLLM step: the scheduler and input preparation, "
-        "paged attention, sampling. The attention kernel is PyTorch's FlashAttention (FA2); "
-        "vLLM on Hopper can run FlashAttention-3, which its authors report faster.",
+        "paged attention, sampling."
+        + (
+            " The attention kernel is PyTorch's FlashAttention (FA2); vLLM on Hopper can run "
+            "FlashAttention-3, which its authors report faster."
+            if run.get("attention_backend") == "FLASH_ATTENTION"
+            else ""
+        ),
         "step_overhead_s, prefill_s_per_token, prefill_attention_s_per_token_pair, "
         "decode_s_per_seq, decode_kv_read_s_per_token: non-negative least squares on relative "
         "error over all of them (benchmarks/calibrate/fit.py); fit quality per group:",
