@@ -58,6 +58,8 @@ BASE_PROFILE = "h100-llama3-8b"
 ATTENTION_FACTORS = (0.0, 1.0, 2.0)
 LOADS = (0.3, 0.75, 1.1)
 TRACES = ("mooncake", "shared-prefix", "multi-turn")
+# Not in the default grid: the shared-prefix shape with groups of unequal popularity.
+EXTRA_TRACES = ("shared-prefix-zipf",)
 POLICIES = (
     "default",
     "llmd-precise",
@@ -102,6 +104,32 @@ def shared_prefix_workload(n: int, seed: int) -> list[TraceRequest]:
     return generate_shared_prefix(spec, seed=seed, model=MODEL)[:n]
 
 
+def zipf_shared_prefix_workload(n: int, seed: int) -> list[TraceRequest]:
+    """The shared-prefix shape with groups of unequal popularity, as real system prompts
+    are: `n` distinct prompts over n // 5 groups, group k's share of them proportional to
+    1 / k (Zipf, exponent 1), in a seeded random order."""
+    groups = max(1, n // 5)
+    weights = [1.0 / (k + 1) for k in range(groups)]
+    total = sum(weights)
+    quota = [max(1, round(n * w / total)) for w in weights]
+    spec = SharedPrefixSpec(
+        num_groups=groups,
+        num_prompts_per_group=max(quota),
+        system_prompt_len=6000,
+        question_len=1200,
+        output_len=200,
+    )
+    kept = dict.fromkeys(range(groups), 0)
+    out: list[TraceRequest] = []
+    for request in generate_shared_prefix(spec, seed=seed, model=MODEL):
+        g = int((request.group or "group-0").removeprefix("group-"))
+        if kept[g] < quota[g]:
+            kept[g] += 1
+            request.index = len(out)
+            out.append(request)
+    return out[:n]
+
+
 def multi_turn_workload(n: int, seed: int) -> list[TraceRequest]:
     """ShareGPT-like chats: each turn carries the conversation so far. Turn lengths are
     log-normal (user median ~120 tokens, assistant ~250, heavy tails), 2-8 turns per chat,
@@ -141,6 +169,8 @@ def load_workload(trace: str, n: int, seed: int) -> list[TraceRequest]:
         return load_trace(MOONCAKE, "mooncake", n, seed, MODEL)
     if trace == "shared-prefix":
         return shared_prefix_workload(n, seed)
+    if trace == "shared-prefix-zipf":
+        return zipf_shared_prefix_workload(n, seed)
     return multi_turn_workload(n, seed)
 
 
@@ -279,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pods", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=2, help="cells run in parallel")
-    ap.add_argument("--trace", nargs="+", choices=TRACES, default=list(TRACES))
+    ap.add_argument("--trace", nargs="+", choices=TRACES + EXTRA_TRACES, default=list(TRACES))
     ap.add_argument("--load", nargs="+", type=float, default=list(LOADS))
     ap.add_argument("--attention", nargs="+", type=float, default=list(ATTENTION_FACTORS))
     ap.add_argument("--policy", nargs="+", default=list(POLICIES))
