@@ -201,6 +201,17 @@ async def test_a_store_outage_keeps_both_pickers_serving_and_they_share_again(
             )  # fmt: skip
 
         await async_wait_until(both_up, 15, "both pickers sharing again")
+        # Each wrote what it routed during the outage in its first exchange back (before
+        # it reported up). The second picker applies the first's entries in its next
+        # exchange that starts after that write: wait for two of them (one may have been
+        # in flight), so those entries are not taken for the ones `follows` waits for.
+        exchanges = "smart_epp_shared_state_exchanges_total"
+        seen = await pair.metric(pair.second, exchanges, result="ok")
+
+        async def caught_up() -> bool:
+            return await pair.metric(pair.second, exchanges, result="ok") >= seen + 2
+
+        await async_wait_until(caught_up, 5, "the second picker reading the reconciled state")
         for seed in (52, 53):
             pod, other = await pair.follows(seed)
             assert other == pod
