@@ -91,15 +91,17 @@ def grid_profile(factor: float, base_name: str = BASE_PROFILE) -> str:
     return name
 
 
+# llm-d's benchmark shape: 6,000-token system prompts, 1,200-token questions.
+LLMD_SHAPE = {"system_prompt_len": 6000, "question_len": 1200, "output_len": 200}
+
+
 def shared_prefix_workload(n: int, seed: int) -> list[TraceRequest]:
     """llm-d's benchmark shape (6,000-token system prompts, 1,200-token questions) scaled
     to `n` distinct prompts: 5 per group, so every request is a different prompt."""
     spec = SharedPrefixSpec(
         num_groups=max(1, n // 5),
         num_prompts_per_group=5,
-        system_prompt_len=6000,
-        question_len=1200,
-        output_len=200,
+        **LLMD_SHAPE,
     )
     return generate_shared_prefix(spec, seed=seed, model=MODEL)[:n]
 
@@ -115,9 +117,7 @@ def zipf_shared_prefix_workload(n: int, seed: int) -> list[TraceRequest]:
     spec = SharedPrefixSpec(
         num_groups=groups,
         num_prompts_per_group=max(quota),
-        system_prompt_len=6000,
-        question_len=1200,
-        output_len=200,
+        **LLMD_SHAPE,
     )
     kept = dict.fromkeys(range(groups), 0)
     out: list[TraceRequest] = []

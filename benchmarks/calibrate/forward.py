@@ -81,7 +81,8 @@ def forward_profile(
     max_num_seqs: int,
 ) -> tuple[LatencyProfile, Fit]:
     runs = load_runs(paths)
-    result = fit([s for run in runs for s in samples(run)])
+    measured = [s for run in runs for s in samples(run)]
+    result = fit(measured)
     profile = LatencyProfile(
         name=name,
         kv_tokens=kv_tokens(runs[0]),
@@ -89,12 +90,14 @@ def forward_profile(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         **{k: float(f"{v:.4g}") for k, v in result.coefficients.items()},
-        source=describe(paths, runs, result),
+        source=describe(paths, runs, measured, result),
     )
     return profile, result
 
 
-def describe(paths: Sequence[Path], runs: Sequence[dict[str, Any]], result: Fit) -> str:
+def describe(
+    paths: Sequence[Path], runs: Sequence[dict[str, Any]], measured: Sequence[Sample], result: Fit
+) -> str:
     run = runs[0]
     prefill = sorted({(p["new_tokens"], p["cached_tokens"]) for r in runs for p in r["prefill"]})
     decode = sorted({(d["batch"], d["context_tokens"]) for r in runs for d in r["decode"]})
@@ -124,12 +127,11 @@ def describe(paths: Sequence[Path], runs: Sequence[dict[str, Any]], result: Fit)
         "decode_s_per_seq, decode_kv_read_s_per_token: non-negative least squares on relative "
         "error over all of them (benchmarks/calibrate/fit.py); fit quality per group:",
     ]
-    every = [s for r in runs for s in samples(r)]
     for g in result.groups:
         r2 = "-" if g.r2 is None else f"{g.r2:.3f}"
         worst = max(
             abs(result.predict(s) - s.seconds) / s.seconds * 100
-            for s in every
+            for s in measured
             if s.group == g.group
         )
         lines.append(
