@@ -31,6 +31,7 @@ from smart_epp.epp.round_robin import RoundRobinScheduler
 from smart_epp.epp.scheduler import build_scheduler
 from smart_epp.epp.tokenization import LocalTokenizer
 from smart_epp.framework.types import Api, Endpoint, LLMRequest, Outcome, PodMetrics, PodState
+from smart_epp.kv_index.ingest import IngestState
 from smart_epp.kv_index.keys import KeyScope, block_keys
 from smart_epp.kv_index.memory import MemoryBlockIndex
 
@@ -181,7 +182,11 @@ async def run(pod_counts: list[int], iterations: int, seed: int) -> dict:
             "configs": {},
         }
         for name in CONFIGS:
-            scheduler = build_scheduler(name, index=index, tokenizer=tokenizer, seed=seed)
+            # With the KV-event ingest state, as `epp serve` builds it: every routed request's
+            # uncached blocks are watched for its prefill progress.
+            scheduler = build_scheduler(
+                name, index=index, tokenizer=tokenizer, seed=seed, ingest_state=IngestState()
+            )
             plain = await measure(scheduler, pods, lambda: token_request(prompt, rng), iterations)
             tokenized = await measure(
                 scheduler, pods, lambda: text_request(base_text, rng), iterations

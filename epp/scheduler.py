@@ -34,7 +34,7 @@ from ..framework.plugins import (
     RoutingHook,
     SchedulingContext,
 )
-from ..framework.scheduling import PrefixMatcher, PromptTokenizer
+from ..framework.scheduling import PrefillProgressView, PrefixMatcher, PromptTokenizer
 from ..framework.types import Decision, LLMRequest, Outcome, PodState, PrefixHit
 from ..kv_index.api import BlockIndex
 from ..kv_index.lookup import IndexPrefixMatcher, ModelOf
@@ -122,8 +122,10 @@ class PipelineScheduler:
         fallbacks: int = 0,
         metrics: SchedulerMetrics | None = None,
         speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
+        prefill_progress: PrefillProgressView | None = None,
     ) -> None:
         self.plugins = plugins
+        self.prefill_progress = prefill_progress
         self.fallbacks = fallbacks
         self.speculative_ttl_s = speculative_ttl_s
         self.profile = self._choose_profile(plugins.profiles, profile)
@@ -181,6 +183,7 @@ class PipelineScheduler:
         )
         if self.needs_prefix_hits:
             ctx.block_sizes = {p.address: self._block_size(p) for p in candidates}
+            ctx.prefill_progress = self.prefill_progress
         return ctx
 
     def _block_size(self, pod: PodState) -> int:
@@ -216,9 +219,11 @@ class PipelineScheduler:
         if self.needs_prefix_hits and ctx.token_ids and self.prefix_matcher is not None:
             start = time.perf_counter()
             try:
+                keys: dict[str, Sequence[int]] = {}
                 ctx.prefix_hits = await self.prefix_matcher.match(
-                    ctx.token_ids, request, ctx.block_sizes
+                    ctx.token_ids, request, ctx.block_sizes, keys
                 )
+                ctx.prompt_keys = keys
                 ctx.held_blocks = self.prefix_matcher.held_blocks(ctx.block_sizes)
             except Exception:  # an index outage degrades to "nothing cached", never a 5xx
                 log.exception("prefix lookup failed; scheduling without cache information")
@@ -240,9 +245,11 @@ class PipelineScheduler:
             ctx.prefix_hits = prefix_hits
         elif self.needs_prefix_hits and ctx.token_ids and self.prefix_matcher is not None:
             start = time.perf_counter()
+            keys: dict[str, Sequence[int]] = {}
             ctx.prefix_hits = self.prefix_matcher.match_sync(
-                ctx.token_ids, request, ctx.block_sizes
+                ctx.token_ids, request, ctx.block_sizes, keys
             )
+            ctx.prompt_keys = keys
             ctx.held_blocks = self.prefix_matcher.held_blocks(ctx.block_sizes)
             self._match_timer.observe(time.perf_counter() - start)
         return ctx
@@ -501,7 +508,8 @@ def build_scheduler(
     - `index`: the KV block index the precise scorers match prompts against (wrapped in an
       `IndexPrefixMatcher`), or any `prefix_matcher`.
     - `ingest_state`: the KV index's `IngestState`; supplies each pod's block size and base
-      model as learned from its events (`block_size_of` / `model_of` override it).
+      model as learned from its events (`block_size_of` / `model_of` override it), and
+      the prefill progress its events show for the requests in flight.
       `base_model` names the base model for adapter requests when pods' events do not.
     - `tokenizer`: None = from the config (local-tokenizer plugins, else a pod's /tokenize),
       only when a plugin needs token ids; False = never tokenize (replays whose requests
@@ -535,6 +543,7 @@ def build_scheduler(
         fallbacks=fallbacks,
         metrics=scheduler_metrics(registry, record_e2e=record_e2e),
         speculative_ttl_s=speculative_ttl_s,
+        prefill_progress=getattr(ingest_state, "progress", None),
     )
     if tokenizer is None or tokenizer is True:
         if scheduler.needs_tokens:

@@ -24,6 +24,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from ..framework.types import PodState
+from ..kv_index import metrics as kv_metrics
 from ..kv_index.api import BlockIndex
 from ..kv_index.catch_up import DEFAULT_CATCH_UP_TIMEOUT_S, CatchUp
 from ..kv_index.curve import CurveServerConfig
@@ -248,6 +249,9 @@ async def serve(
     if isinstance(index, RedisBlockIndex):
         background.spawn(index.maintain())  # reconnects, re-seeds an emptied store
     ingest = IngestState(max_hashes_per_tier=options.kv_index_capacity)
+    progress = ingest.progress
+    kv_metrics.PREFILL_REQUESTS.set_function(lambda: len(progress))
+    kv_metrics.PREFILL_CONFIRMED_PODS.set_function(progress.confirmed_pods)
     catalog = ModelCatalog(datastore.pods)
 
     def scope_model(address: str) -> str | None:

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from .scheduling import PrefillProgressView
 from .types import Decision, LLMRequest, Outcome, PodState, PrefixHit
 
 PluginKind = Literal[
@@ -68,6 +69,12 @@ class SchedulingContext:
     held_blocks: Mapping[str, int] | None = None
     # Block size (tokens) each candidate pod uses, when known.
     block_sizes: Mapping[str, int] = field(default_factory=dict)
+    # The prompt's block keys per candidate pod (its block size and key scope), as the
+    # prefix lookup computed them; None when not looked up.
+    prompt_keys: Mapping[str, Sequence[int]] | None = None
+    # Prefill progress of the requests in flight, from the pods' KV events; None without
+    # a KV index fed by events.
+    prefill_progress: PrefillProgressView | None = None
     rng: random.Random = field(default_factory=random.Random)
     explain: bool = False  # collect per-pod components for the explain line
     # Per-plugin scratch space: values computed while scoring that `on_routed` reuses,

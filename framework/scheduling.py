@@ -39,14 +39,25 @@ class PromptTokenizer(Protocol):
 
 
 class PrefixMatcher(Protocol):
-    """Finds, per pod, the longest run of the prompt's blocks the pod holds."""
+    """Finds, per pod, the longest run of the prompt's blocks the pod holds.
+
+    With `keys_out`, also leaves there each pod's block keys of the prompt (at its block
+    size and key scope), as the lookup computed them."""
 
     async def match(
-        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
+        self,
+        token_ids: Sequence[int],
+        request: LLMRequest,
+        block_sizes: Mapping[str, int],
+        keys_out: dict[str, Sequence[int]] | None = None,
     ) -> Mapping[str, PrefixHit]: ...
 
     def match_sync(
-        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
+        self,
+        token_ids: Sequence[int],
+        request: LLMRequest,
+        block_sizes: Mapping[str, int],
+        keys_out: dict[str, Sequence[int]] | None = None,
     ) -> Mapping[str, PrefixHit] | None:
         """The same without awaiting, or None when the backend cannot answer synchronously."""
         ...
@@ -64,4 +75,23 @@ class PrefixMatcher(Protocol):
         ttl_s: float,
     ) -> None:
         """Marks the prompt's blocks as held by `address` for `ttl_s` seconds."""
+        ...
+
+
+class PrefillProgressView(Protocol):
+    """How far pods have got through the prefill of the requests sent to them, from their
+    KV events (kv_index/progress.py)."""
+
+    def watch(self, request_id: str, address: str, keys: Sequence[int], block_size: int) -> None:
+        """`keys`: the request's prompt blocks that `address` does not hold, in order."""
+        ...
+
+    def forget(self, request_id: str) -> None: ...
+
+    def computed(self, request_id: str) -> tuple[int, int] | None:
+        """(tokens computed, tokens watched), or None when the request is not watched."""
+        ...
+
+    def confirmed(self, address: str) -> bool:
+        """Whether the pod's events have shown the prefill of a watched block."""
         ...

@@ -5,6 +5,9 @@ and tier the map from vLLM's block hash to smart-epp's key, which is how a Block
 (which carries only vLLM hashes) finds the key to drop and how a BlockStored's parent
 hash becomes the seed of its chain.
 
+Each GPU `BlockStored` also reaches `progress` (kv_index/progress.py): how far the pod has
+got through the prefill of the prompts the gateway sent it.
+
 Key scope: `model` is the base model the pod serves (given when the pod is registered),
 `adapter` is the event's `lora_name`, and `cache_salt` is read from the first block's
 published extra keys (vLLM puts the salt there, untagged, next to the adapter name).
@@ -25,6 +28,7 @@ from .events import (
     EventBatch,
 )
 from .keys import KeyScope, extend_keys, root_key
+from .progress import PrefillProgress
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +95,14 @@ class IngestState:
     beyond it are ones whose removal was lost. The oldest stored go first, in chunks.
     """
 
-    def __init__(self, max_hashes_per_tier: int | None = None) -> None:
+    def __init__(
+        self, max_hashes_per_tier: int | None = None, progress: PrefillProgress | None = None
+    ) -> None:
         if max_hashes_per_tier is not None and max_hashes_per_tier <= 0:
             raise ValueError("max_hashes_per_tier must be positive")
         self._pods: dict[str, PodIngest] = {}
         self.max_hashes_per_tier = max_hashes_per_tier
+        self.progress = progress if progress is not None else PrefillProgress()
 
     def register_pod(self, pod: str, model: str) -> PodIngest:
         state = self._pods.get(pod)
@@ -108,12 +115,14 @@ class IngestState:
 
     def forget_pod(self, pod: str) -> None:
         self._pods.pop(pod, None)
+        self.progress.reset_pod(pod)
 
     def reset_pod(self, pod: str) -> None:
         """The pod restarted or cleared its cache: nothing it published is valid."""
         state = self._pods.get(pod)
         if state is not None:
             state.maps.clear()
+        self.progress.reset_pod(pod)
 
     def pods(self) -> list[str]:
         return list(self._pods)
@@ -176,6 +185,10 @@ class IngestState:
                 ops.append(IndexOp("clear"))
         result.removed_blocks += removed
         result.unknown_removals += unknown
+        progress = self.progress
+        for op in ops:
+            if op.kind == "add" and op.medium == "GPU":
+                progress.stored(pod, op.keys)
         return result
 
     def _stored(self, state: PodIngest, rank: int, event: BlockStored, out: ApplyResult) -> None:

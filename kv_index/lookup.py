@@ -76,18 +76,28 @@ class IndexPrefixMatcher:
             )
 
     async def match(
-        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
+        self,
+        token_ids: Sequence[int],
+        request: LLMRequest,
+        block_sizes: Mapping[str, int],
+        keys_out: dict[str, Sequence[int]] | None = None,
     ) -> Mapping[str, PrefixHit]:
         hits: dict[str, PrefixHit] = {}
         for size, keys, addresses in self._groups(token_ids, request, block_sizes):
             found = await self.index.lookup(keys, addresses) if keys else {}
             self._fill(hits, found, size, addresses)
+            if keys_out is not None:
+                keys_out.update(dict.fromkeys(addresses, keys))
         for address in block_sizes:
             hits.setdefault(address, PrefixHit(blocks=0))
         return hits
 
     def match_sync(
-        self, token_ids: Sequence[int], request: LLMRequest, block_sizes: Mapping[str, int]
+        self,
+        token_ids: Sequence[int],
+        request: LLMRequest,
+        block_sizes: Mapping[str, int],
+        keys_out: dict[str, Sequence[int]] | None = None,
     ) -> Mapping[str, PrefixHit] | None:
         lookup_sync = getattr(self.index, "lookup_sync", None)
         if lookup_sync is None:
@@ -96,6 +106,8 @@ class IndexPrefixMatcher:
         for size, keys, addresses in self._groups(token_ids, request, block_sizes):
             found = lookup_sync(keys, addresses) if keys else {}
             self._fill(hits, found, size, addresses)
+            if keys_out is not None:
+                keys_out.update(dict.fromkeys(addresses, keys))
         for address in block_sizes:
             hits.setdefault(address, PrefixHit(blocks=0))
         return hits

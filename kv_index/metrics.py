@@ -18,6 +18,14 @@ EVENTS = Counter(
 BLOCKS = Counter(
     "smart_epp_kv_block_hashes_total", "Block hashes ingested, by pod and action", ["pod", "action"]
 )
+PREFILL_REQUESTS = Gauge(
+    "smart_epp_prefill_progress_requests",
+    "Requests in flight whose prefill is followed in their pod's KV events",
+)
+PREFILL_CONFIRMED_PODS = Gauge(
+    "smart_epp_prefill_progress_confirmed_pods",
+    "Pods whose KV events have shown the prefill of a request this picker sent",
+)
 DECODE_ERRORS = Counter(
     "smart_epp_kv_decode_errors_total",
     "KV event frames or events that could not be decoded and were dropped",

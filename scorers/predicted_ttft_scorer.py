@@ -13,11 +13,12 @@ Per candidate pod:
 `own uncached tokens` = prompt - tokens the pod holds (the KV index at the pod's block size;
 opt-in, prompts this gateway sent it and has not seen answered); its attention pairs are
 u * (held + u / 2), so a long uncached prompt costs more than linearly once the model has
-seen that it does. `tokens ahead` is the prefill this gateway has sent the pod and whose
-first token the model does not expect yet (each request draining over its own predicted
-prefill), or the pod's scraped waiting queue at the mean request size when that is larger.
-The queue wait is therefore the same learned cost applied to the work ahead, not a
-separate constant.
+seen that it does. `tokens ahead` is the prefill this gateway has sent the pod and not
+seen done: as far as the pod's KV events show each request's prefill (vLLM stores a
+prompt's blocks as it schedules them, chunk by chunk; kv_index/progress.py), else each
+request draining over its own predicted prefill; plus the pod's scraped waiting requests
+that this gateway did not send, at the mean request size. The queue wait is therefore
+the same learned cost applied to the work ahead, not a separate constant.
 
 Learning: each answered request teaches its pod's model (and the pool-wide model that new
 pods start from) its measured TTFT against the features recorded when it was sent; its
@@ -69,6 +70,7 @@ from ..framework.plugins import (
     SharedLearning,
 )
 from ..framework.registry import register_plugin
+from ..framework.scheduling import PrefillProgressView
 from ..framework.types import SLO_TTFT_HEADER, Decision, Outcome, PodState
 from .lora_affinity_scorer import adapter_active, adapter_slot_free
 from .routed_prefixes import unit_chunk_keys
@@ -314,6 +316,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         # Answers learned from, for the other pickers of the pool (take_learned).
         self._to_share: deque[LearnedSample] = deque(maxlen=MAX_SHARED_SAMPLES)
         self.rejected_samples = 0
+        # The pods' prefill progress from their KV events, once a request was watched.
+        self._progress: PrefillProgressView | None = None
 
     def utilisation(self, now: float, pods: Sequence[PodState]) -> float:
         """Predicted prefill seconds routed to the candidates in the last window, per
@@ -374,6 +378,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         chunk = p.routedPrefixChunkTokens
         keys = unit_chunk_keys(ctx.token_ids or (), chunk) if p.routedPrefixSeconds > 0 else []
         routed_runs = self.routed_prefixes.matched_chunks(keys, now) if keys else {}
+        progress = ctx.prefill_progress
 
         ttfts: list[float] = []
         own_s: list[float] = []
@@ -422,7 +427,10 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                     waiting = max(0, waiting - model.finished_since(m.scraped_at))
             if model is not None and model.queue.items:
                 tokens_ahead, pairs_ahead, queued, others = model.queue.ahead(
-                    now, waiting if ok and m.scraped_at > 0.0 else None, m.scraped_at
+                    now,
+                    waiting if ok and m.scraped_at > 0.0 else None,
+                    m.scraped_at,
+                    progress if progress is not None and progress.confirmed(address) else None,
                 )
             else:
                 tokens_ahead = pairs_ahead = 0.0
@@ -631,6 +639,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             tokens, pairs, now, max(prefill_s, 1e-6), now + prediction.ttft_s[i]
         )
         self.routed_prefixes.add(prediction.chunk_keys, address, ctx.now)
+        self._watch_prefill(ctx, address)
         self._recent_prefill.append((now, prefill_s))
         self._recent_prefill_s += prefill_s
         model.routed_prefill_s(now)  # drops what left the window: the deque stays short
@@ -653,12 +662,29 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             old_model = self.pods.get(old.address)
             if old_model is not None:
                 old_model.queue.items.pop(old_id, None)
+            if self._progress is not None:
+                self._progress.forget(old_id)
+
+    def _watch_prefill(self, ctx: SchedulingContext, address: str) -> None:
+        """Follows this request's prefill in the pod's KV events: the prompt's blocks past
+        those the index says the pod holds."""
+        progress = ctx.prefill_progress
+        keys = ctx.prompt_keys.get(address) if ctx.prompt_keys is not None else None
+        block_size = ctx.block_sizes.get(address)
+        if progress is None or not keys or not block_size:
+            return
+        self._progress = progress
+        held = ctx.prefix_hits.get(address) if ctx.prefix_hits is not None else None
+        uncached = keys[held.blocks :] if held is not None else keys
+        progress.watch(ctx.request.request_id, address, uncached, block_size)
 
     def on_outcome(self, ctx: SchedulingContext, outcome: Outcome) -> None:
         address, usage, ttft_s, ok, now = (
             outcome.address, outcome.usage, outcome.ttft_s, outcome.ok, outcome.now
         )  # fmt: skip
         routed = self._pending.pop(ctx.request.request_id, None)
+        if self._progress is not None:
+            self._progress.forget(ctx.request.request_id)
         if routed is None or routed.address != address:
             return
         self.routed_prefixes.release(routed.chunk_keys, address)

@@ -31,6 +31,10 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..framework.scheduling import PrefillProgressView
 
 TOKEN_UNIT = 1e3  # features in thousands of tokens ...
 PAIR_UNIT = 1e6  # ... and millions of attention pairs
@@ -202,17 +206,30 @@ class PodQueue:
     items: dict[str, Inflight] = field(default_factory=dict)
 
     def ahead(
-        self, now: float, waiting: int | None, scraped_at: float
+        self,
+        now: float,
+        waiting: int | None,
+        scraped_at: float,
+        progress: PrefillProgressView | None = None,
     ) -> tuple[float, float, int, int]:
         """(tokens, attention pairs, requests) of prefill still ahead of a new request, and
         how many of the scraped waiting requests were not this gateway's.
 
-        With a scrape, the pod says how many requests were waiting then: vLLM admits in
-        arrival order, so they are the newest of this gateway's requests sent before it,
-        and every request sent since is waiting too. Without one (`waiting` None), each
-        request is taken to drain over its own predicted prefill, ending at its
-        predicted first token.
+        With `progress` (the pod's KV events have confirmed the prefill of requests sent
+        to it), each request's prefill is what its events show: the share of its uncached
+        blocks not stored yet, nothing once they all are. vLLM admits in arrival order, so
+        a request sent before one that has started has been admitted too (with no blocks
+        of its own to store when nothing shows). One that shows nothing is placed by the
+        scrape as below: waiting when sent after it or among its waiting count, else
+        admitted and draining over its predicted prefill.
+
+        Otherwise, with a scrape, the pod says how many requests were waiting then: they
+        are the newest of this gateway's requests sent before it, and every request sent
+        since is waiting too. Without one (`waiting` None), each request is taken to
+        drain over its own predicted prefill, ending at its predicted first token.
         """
+        if progress is not None:
+            return self._ahead_by_progress(now, waiting, scraped_at, progress)
         tokens = pairs = 0.0
         count = 0
         if waiting is None:
@@ -249,6 +266,50 @@ class PodQueue:
             pairs += item.pairs
             count += 1
         return tokens, pairs, count, waiting
+
+    def _ahead_by_progress(
+        self, now: float, waiting: int | None, scraped_at: float, progress: PrefillProgressView
+    ) -> tuple[float, float, int, int]:
+        tokens = pairs = 0.0
+        count = 0
+        started_later = False  # a request sent after this one has begun its prefill
+        for request_id, item in reversed(self.items.items()):
+            seen = progress.computed(request_id)
+            before_scrape = waiting is not None and item.routed_at <= scraped_at
+            done, watched = seen if seen is not None else (0, 0)
+            if done > 0:
+                if before_scrape and waiting:
+                    waiting -= 1  # perhaps still waiting at the scrape, admitted since
+                started_later = True
+                if done >= watched:
+                    continue
+                frac = 1.0 - done / watched
+            elif started_later and watched > 0:
+                continue
+            elif waiting is None:
+                left = item.done_at - now
+                if left <= 0:
+                    continue
+                frac = 1.0 if left >= item.prefill_s else left / item.prefill_s
+            elif before_scrape and not waiting:
+                # Admitted by the scrape, yet nothing stored: admitted just now (its events
+                # not in yet), or nothing of its own to store (its blocks were cached, or
+                # fewer than a block). It drains over its predicted prefill, as without
+                # events.
+                if item.admitted_at is None:
+                    item.admitted_at = scraped_at
+                left = item.admitted_at + item.prefill_s - now
+                if left <= 0:
+                    continue
+                frac = left / item.prefill_s
+            else:
+                if before_scrape:
+                    waiting -= 1
+                frac = 1.0
+            tokens += frac * item.tokens
+            pairs += frac * item.pairs
+            count += 1
+        return tokens, pairs, count, waiting or 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -33,6 +34,9 @@ class RequestResult:
     slo_ttft_s: float | None = None  # its TTFT SLO, when it had one
     refused: str | None = None  # why admission refused it (saturated, queue-full, ttl-expired)
     error: str | None = None  # why the server refused it (a short label), when it did
+    # What the policy predicted for `ttft_s` (from arrival) when it routed the request, for
+    # policies that predict one.
+    predicted_ttft_s: float | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -55,6 +59,9 @@ class PolicySummary:
     load_imbalance: float
     rejected: int = 0  # refused by the server as invalid (HTTP 400), counted in ``failed``
     rejected_reasons: dict[str, int] = field(default_factory=dict)
+    # Median factor between predicted and measured TTFT (exp of the median |log ratio|:
+    # 1.25 = typically 25% off either way), for policies that predict TTFT; else None.
+    ttft_prediction_factor: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {k: _round(v) for k, v in asdict(self).items()}
@@ -93,6 +100,11 @@ def summarize(results: Sequence[RequestResult], pods: Sequence[str]) -> PolicySu
     mean = sum(counts) / len(counts) if counts else 0.0
     rejected = [r for r in results if r.status == 400]
     reasons = Counter(r.error or "HTTP 400" for r in rejected)
+    log_errors = [
+        abs(math.log(r.predicted_ttft_s / r.ttft_s))
+        for r in done
+        if r.predicted_ttft_s is not None and r.predicted_ttft_s > 0 and r.ttft_s
+    ]
     return PolicySummary(
         ttft_p50_s=percentile(ttfts, 50),
         ttft_p90_s=percentile(ttfts, 90),
@@ -106,6 +118,7 @@ def summarize(results: Sequence[RequestResult], pods: Sequence[str]) -> PolicySu
         load_imbalance=max(counts) / mean if mean else 0.0,
         rejected=len(rejected),
         rejected_reasons=dict(sorted(reasons.items())),
+        ttft_prediction_factor=(math.exp(statistics.median(log_errors)) if log_errors else None),
     )
 
 

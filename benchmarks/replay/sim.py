@@ -346,6 +346,9 @@ class Simulation:
         address = tracked.served
         assert address is not None
         result.pod = address
+        predicted = tracked.decision.predicted_ttft_s if tracked.decision is not None else None
+        if predicted is not None:
+            result.predicted_ttft_s = self.now - result.arrival_s + predicted
         engine = self.pool.engines[address]
         sim_req = SimRequest(
             request_id=llm.request_id,

@@ -33,6 +33,7 @@ SUMMARY_KEYS = {
     "load_imbalance",
     "rejected",
     "rejected_reasons",
+    "ttft_prediction_factor",
 }
 
 
@@ -71,6 +72,9 @@ def test_sim_mode_writes_schema_table_and_plots(tmp_path: Path, capsys) -> None:
         assert summary["completed"] == 54 and summary["failed"] == 6
         assert summary["rejected"] == 6 and summary["rejected_reasons"] == too_long
         assert summary["ttft_p50_s"] <= summary["ttft_p90_s"] <= summary["ttft_p99_s"]
+    # Only the default predicts a TTFT for each request it routes.
+    assert doc["policies"]["default"]["ttft_prediction_factor"] >= 1
+    assert doc["policies"]["round-robin"]["ttft_prediction_factor"] is None
     assert 0 < doc["infinite_cache_prefix_hit_rate"] < 1
     assert (out / "replay_mooncake_synthetic_trace_ttft_cdf.png").stat().st_size > 10_000
     printed = capsys.readouterr().out

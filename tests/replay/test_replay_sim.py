@@ -236,3 +236,38 @@ def test_scrapes_read_gauges_published_at_step_end() -> None:
     assert len(pool.seen) > 100
     # Mid-step, the live engine already holds what the published gauges do not show yet.
     assert any(shown != live for shown, live in pool.seen)
+
+
+def test_the_default_policy_follows_chunked_prefills_through_the_pods_events() -> None:
+    """Long prompts at a load that queues them: the KV events the simulated pods publish
+    (real wire format, delivered after the step that scheduled each chunk) show the
+    default scorer partial prefills, every pod is confirmed, and nothing stays watched
+    once every request has ended."""
+    spec = SharedPrefixSpec(
+        num_groups=16, num_prompts_per_group=3, system_prompt_len=12000, question_len=4000,
+        output_len=8,
+    )  # fmt: skip
+    requests = generate_shared_prefix(spec, seed=5)
+    arrivals = poisson_arrivals(len(requests), 20.0, 5)
+    config = _config()  # 8,192-token steps: a cold prompt's prefill takes two
+    pool = SimPool.build(config)
+    box: list[Simulation] = []
+    clock = lambda: box[0].now if box else 0.0  # noqa: E731
+    policy = build_policy("default", PolicyContext(pool, clock, 0, config.model))
+    progress = policy.scheduler.prefill_progress
+    partial: list[tuple[int, int]] = []
+
+    class Watch(RoutedObserver):
+        def on_routed(self, flow: FlowRequest) -> None:
+            for n in range(len(requests)):
+                seen = progress.computed(f"req-{n}")
+                if seen is not None and 0 < seen[0] < seen[1]:
+                    partial.append(seen)
+
+    sim = Simulation(config, policy, pool, hooks=[Watch()])
+    box.append(sim)
+    results = asyncio.run(sim.run(requests, arrivals, Workload(requests, arrivals).stage_of()))
+    assert all(r.ok for r in results)
+    assert partial  # prefills seen part-way, chunk by chunk
+    assert all(progress.confirmed(address) for address in pool.engines)
+    assert len(progress) == 0 and progress.blocks == 0

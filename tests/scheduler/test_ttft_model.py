@@ -9,6 +9,7 @@ import statistics
 import numpy as np
 import pytest
 
+from smart_epp.kv_index.progress import PrefillProgress
 from smart_epp.scorers.ttft_model import (
     Inflight,
     PodQueue,
@@ -218,3 +219,35 @@ def test_queue_ahead_follows_the_scraped_waiting_count():
     # predicted first token (routed_at + 10).
     tokens, _, count, _ = q.ahead(now=11.5, waiting=None, scraped_at=0.0)
     assert count == 2 and tokens == pytest.approx(0.5 * 3000 + 1.0 * 4000)
+
+
+def test_queue_ahead_follows_the_prefill_the_pods_events_show():
+    progress = PrefillProgress()
+    pod = "10.0.0.1:8000"
+    q = PodQueue()
+    for i, tokens in enumerate((1600, 3200, 4800, 6400)):
+        q.items[f"r{i}"] = item(tokens, routed_at=float(i), prefill_s=1.0)
+        progress.watch(f"r{i}", pod, [1000 * i + b for b in range(tokens // 16)], 16)
+    progress.watch("tiny", pod, [], 16)  # nothing uncached to store
+    q.items["tiny"] = item(10, routed_at=29.5, prefill_s=1.0)  # sent after the scrape
+    progress.stored(pod, range(0, 100))  # r0 computed
+    progress.stored(pod, range(2000, 2150))  # r2: half of its 300 blocks
+    # At 30 s the predicted first tokens of r0-r3 are long past (routed_at + 10), so the
+    # predicted queue holds only the tiny request; the events say r2 has half of its
+    # prefill left, and r1, sent before r2, was admitted before it.
+    assert q.ahead(30.0, waiting=None, scraped_at=0.0)[2] == 1
+    # The scrape at 29 s saw one waiting: r3, the newest sent before it, which shows
+    # nothing; the tiny request was sent after the scrape and is waiting too.
+    tokens, pairs, count, others = q.ahead(30.0, waiting=1, scraped_at=29.0, progress=progress)
+    assert tokens == pytest.approx(10 + 6400 + 0.5 * 4800)
+    assert pairs == pytest.approx(
+        attention_pairs(10, 0) + attention_pairs(6400, 0) + 0.5 * attention_pairs(4800, 0)
+    )
+    assert (count, others) == (3, 0)
+    # Had the scrape seen none waiting, r3 was admitted then with nothing stored yet: it
+    # drains over its predicted prefill from the scrape (half of it left at 29.5 s).
+    tokens, _, _, others = q.ahead(29.5, waiting=0, scraped_at=29.0, progress=progress)
+    assert tokens == pytest.approx(10 + 0.5 * 6400 + 0.5 * 4800) and others == 0
+    # More waiting than this gateway's requests explain: the rest came from elsewhere.
+    # r3 and the requests that have started since (r2, r0) may have been among the four.
+    assert q.ahead(30.0, waiting=4, scraped_at=29.0, progress=progress)[3] == 1

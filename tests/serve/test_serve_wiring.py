@@ -169,6 +169,12 @@ async def test_d_gateway_metrics_and_debug_explain_line(tmp_path: Path) -> None:
 
                 # Learned from the answers' access-log records, which trail the responses.
                 await async_wait_until(costs_learned, 10, "learned costs in /metrics")
+
+                async def prefills_released() -> bool:
+                    return sample(await gw.metrics(), "smart_epp_prefill_progress_requests") == 0
+
+                # Every answered request stops being followed in its pod's KV events.
+                await async_wait_until(prefills_released, 10, "followed prefills released")
                 page = await gw.metrics()
         assert 0 < sample(page, "smart_epp_pod_learned_cold_ttft_seconds",
                           pod=address, plugin="predicted-ttft-scorer") < 5  # fmt: skip
@@ -180,8 +186,10 @@ async def test_d_gateway_metrics_and_debug_explain_line(tmp_path: Path) -> None:
         # Scrape and model catalog.
         assert sample(page, "smart_epp_metrics_scrapes_total", result="ok") > 0
         assert sample(page, "smart_epp_model_catalog_polls_total", result="ok") > 0
-        # KV events and the index.
+        # KV events and the index; the prefills of the new prompts sent through the gateway,
+        # seen in their pods' events.
         assert sample(page, "smart_epp_kv_events_total", pod=address, type="BlockStored") > 0
+        assert sample(page, "smart_epp_prefill_progress_confirmed_pods") >= 1
         assert sample(page, "smart_epp_kv_index_entries") > 0
         # Gateway.
         assert 'inference_pool_ready_pods{name="default"} 2.0' in page
