@@ -198,6 +198,23 @@ class Inflight:
     done_at: float  # when the model expected its first token
     admitted_at: float | None = None  # the first scrape that no longer counted it waiting
 
+    def share_before_first_token(self, now: float) -> float:
+        """Share of its prefill still ahead, taken to drain over its predicted prefill
+        and end at its predicted first token."""
+        left = self.done_at - now
+        if left <= 0:
+            return 0.0
+        return 1.0 if left >= self.prefill_s else left / self.prefill_s
+
+    def share_since_admitted(self, scraped_at: float, now: float) -> float:
+        """Share of its predicted prefill still ahead, taken to start at the first scrape
+        that no longer counted it waiting (perhaps part-way through a long chunked
+        prefill by then)."""
+        if self.admitted_at is None:
+            self.admitted_at = scraped_at
+        left = self.admitted_at + self.prefill_s - now
+        return left / self.prefill_s if left > 0 else 0.0
+
 
 @dataclass(slots=True)
 class PodQueue:
@@ -236,10 +253,9 @@ class PodQueue:
             # Newest first: predicted first tokens come in sending order, so the first
             # one already past ends the search.
             for item in reversed(self.items.values()):
-                left = item.done_at - now
-                if left <= 0:
+                frac = item.share_before_first_token(now)
+                if frac <= 0:
                     break
-                frac = 1.0 if left >= item.prefill_s else left / item.prefill_s
                 tokens += frac * item.tokens
                 pairs += frac * item.pairs
                 count += 1
@@ -249,16 +265,11 @@ class PodQueue:
                 if waiting > 0:
                     waiting -= 1
                 else:
-                    # Admitted by the time of the scrape, so perhaps part-way through a
-                    # long (chunked) prefill: what its own predicted prefill has left.
-                    # Older requests were admitted earlier, so the first one done ends
-                    # the search.
-                    if item.admitted_at is None:
-                        item.admitted_at = scraped_at
-                    left = item.admitted_at + item.prefill_s - now
-                    if left <= 0:
+                    # Admitted by the time of the scrape. Older requests were admitted
+                    # earlier, so the first one done ends the search.
+                    frac = item.share_since_admitted(scraped_at, now)
+                    if frac <= 0:
                         break
-                    frac = left / item.prefill_s
                     tokens += frac * item.tokens
                     pairs += frac * item.pairs
                     continue
@@ -270,6 +281,8 @@ class PodQueue:
     def _ahead_by_progress(
         self, now: float, waiting: int | None, scraped_at: float, progress: PrefillProgressView
     ) -> tuple[float, float, int, int]:
+        """`ahead` from the pod's KV events: the requests they show started are admitted
+        (not queued) with their uncached blocks not stored yet still to compute."""
         tokens = pairs = 0.0
         count = 0
         started_later = False  # a request sent after this one has begun its prefill
@@ -287,28 +300,24 @@ class PodQueue:
             elif started_later and watched > 0:
                 continue
             elif waiting is None:
-                left = item.done_at - now
-                if left <= 0:
+                frac = item.share_before_first_token(now)
+                if frac <= 0:
                     continue
-                frac = 1.0 if left >= item.prefill_s else left / item.prefill_s
+                count += 1
             elif before_scrape and not waiting:
                 # Admitted by the scrape, yet nothing stored: admitted just now (its events
                 # not in yet), or nothing of its own to store (its blocks were cached, or
-                # fewer than a block). It drains over its predicted prefill, as without
-                # events.
-                if item.admitted_at is None:
-                    item.admitted_at = scraped_at
-                left = item.admitted_at + item.prefill_s - now
-                if left <= 0:
+                # fewer than a block).
+                frac = item.share_since_admitted(scraped_at, now)
+                if frac <= 0:
                     continue
-                frac = left / item.prefill_s
             else:
                 if before_scrape:
                     waiting -= 1
                 frac = 1.0
+                count += 1
             tokens += frac * item.tokens
             pairs += frac * item.pairs
-            count += 1
         return tokens, pairs, count, waiting or 0
 
 

@@ -10,6 +10,7 @@ from sched_helpers import pod, request
 from smart_epp.epp.config import plugin_types
 from smart_epp.framework.plugins import SchedulingContext
 from smart_epp.framework.types import Outcome, PrefixHit, Usage
+from smart_epp.kv_index.progress import PrefillProgress
 from smart_epp.scorers.predicted_ttft_scorer import PredictedTTFTScorer, reusable_tokens
 from smart_epp.scorers.ttft_model import attention_pairs
 
@@ -408,3 +409,35 @@ def test_a_new_prefix_goes_to_the_faster_pod_when_nothing_cached_is_reused_or_bo
     c.held_blocks = {"a:1": 256, "b:1": 256}  # both full: either placement evicts as much
     assert shared.score(c, pods)[0] == 1.0
     assert c.components["a:1"]["displaced_s"] == pytest.approx(c.components["b:1"]["displaced_s"])
+
+
+def test_the_queue_follows_a_pods_kv_events_once_they_have_confirmed_a_prefill():
+    """An 8,000-token prompt sent to pod a at t=100 (0.8 s of predicted prefill), and a
+    scrape at t=109 that saw nothing waiting: it was admitted, and by its prediction its
+    prefill is over at t=110. Once the pod's events show half of its blocks stored and no
+    more, it is half ahead of the next request; once they show all, nothing is."""
+    progress = PrefillProgress()
+    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0)
+    a = pod("a:1")
+    routed = ctx(8000, now=100.0)
+    routed.prefill_progress = progress
+    routed.prompt_keys = {"a:1": list(range(500))}
+    s.score(routed, [a])
+    s.on_routed(routed, a)
+    a.metrics.scraped_at = 109.0
+
+    def wait_at(now: float) -> float:
+        c = ctx(100, now=now)
+        c.prefill_progress = progress
+        s.score(c, [a])
+        return c.components["a:1"]["wait_s"]
+
+    assert wait_at(110.0) == pytest.approx(0.0)  # no event yet: the predicted drain
+    progress.stored("a:1", range(250))
+    assert progress.confirmed("a:1")
+    assert wait_at(110.0) == pytest.approx(4000 / RATE)
+    progress.stored("a:1", range(250, 500))
+    assert wait_at(110.0) == pytest.approx(0.0)
+    # Its answer ends the watch.
+    s.on_outcome(routed, Outcome(address="a:1", ok=True, ttft_s=9.5, now=110.0))
+    assert progress.computed(routed.request.request_id) is None
