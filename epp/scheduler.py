@@ -387,10 +387,11 @@ class PipelineScheduler:
             plugin.on_routed(ctx, chosen)
         self._speculate(ctx, chosen)
         # Only what the outcome hooks kept is needed until the response: drop the token
-        # ids, index matches and per-pod scratch so thousands of requests in flight stay
-        # cheap.
+        # ids, index matches, block keys and per-pod scratch so thousands of requests in
+        # flight stay cheap.
         ctx.token_ids = None
         ctx.prefix_hits = None
+        ctx.prompt_keys = None
         ctx.scratch.clear()
         ctx.components.clear()
 
@@ -415,9 +416,12 @@ class PipelineScheduler:
         ):
             return
         block_size = ctx.block_sizes.get(chosen.address) or self._block_size(chosen)
+        # The prefix lookup already cut the prompt into the pod's keys (when it knew the
+        # pod's block size): they are the keys to mark.
+        keys = ctx.prompt_keys.get(chosen.address) if ctx.prompt_keys is not None else None
         try:
             speculate(ctx.token_ids, ctx.request, chosen.address, block_size,
-                      self.speculative_ttl_s)  # fmt: skip
+                      self.speculative_ttl_s, keys)  # fmt: skip
         except Exception:  # a hint that could not be recorded must never fail the request
             log.exception("speculative index entry failed")
 

@@ -73,8 +73,10 @@ class PrefixMatcher(Protocol):
         address: str,
         block_size: int,
         ttl_s: float,
+        keys: Sequence[int] | None = None,
     ) -> None:
-        """Marks the prompt's blocks as held by `address` for `ttl_s` seconds."""
+        """Marks the prompt's blocks as held by `address` for `ttl_s` seconds (`keys`: the
+        prompt's keys for that pod when `match` computed them)."""
         ...
 
 

@@ -128,16 +128,19 @@ class IndexPrefixMatcher:
         address: str,
         block_size: int,
         ttl_s: float,
+        keys: Sequence[int] | None = None,
     ) -> None:
-        """Marks the prompt's blocks as held by `address` for `ttl_s` seconds.
+        """Marks the prompt's blocks as held by `address` for `ttl_s` seconds; `keys`,
+        when given, are the prompt's keys for that pod as `match` computed them.
 
         The pod's KV events confirm them only after its prefill; until then, a burst of
         requests sharing the prefix would otherwise each look uncached everywhere.
         """
-        groups = self._groups(token_ids, request, {address: block_size})
-        if not groups or not groups[0][1]:
+        if keys is None:
+            groups = self._groups(token_ids, request, {address: block_size})
+            keys = groups[0][1] if groups else None
+        if not keys:
             return
-        keys = groups[0][1]
         add_sync = getattr(self.index, "add_speculative_sync", None)
         if add_sync is not None:
             add_sync(address, keys, ttl_s)

@@ -70,7 +70,6 @@ from ..framework.plugins import (
     SharedLearning,
 )
 from ..framework.registry import register_plugin
-from ..framework.scheduling import PrefillProgressView
 from ..framework.types import SLO_TTFT_HEADER, Decision, Outcome, PodState
 from .lora_affinity_scorer import adapter_active, adapter_slot_free
 from .routed_prefixes import unit_chunk_keys
@@ -316,8 +315,6 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         # Answers learned from, for the other pickers of the pool (take_learned).
         self._to_share: deque[LearnedSample] = deque(maxlen=MAX_SHARED_SAMPLES)
         self.rejected_samples = 0
-        # The pods' prefill progress from their KV events, once a request was watched.
-        self._progress: PrefillProgressView | None = None
 
     def utilisation(self, now: float, pods: Sequence[PodState]) -> float:
         """Predicted prefill seconds routed to the candidates in the last window, per
@@ -662,8 +659,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             old_model = self.pods.get(old.address)
             if old_model is not None:
                 old_model.queue.items.pop(old_id, None)
-            if self._progress is not None:
-                self._progress.forget(old_id)
+            if ctx.prefill_progress is not None:
+                ctx.prefill_progress.forget(old_id)
 
     def _watch_prefill(self, ctx: SchedulingContext, address: str) -> None:
         """Follows this request's prefill in the pod's KV events: the prompt's blocks past
@@ -673,7 +670,6 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         block_size = ctx.block_sizes.get(address)
         if progress is None or not keys or not block_size:
             return
-        self._progress = progress
         held = ctx.prefix_hits.get(address) if ctx.prefix_hits is not None else None
         uncached = keys[held.blocks :] if held is not None else keys
         progress.watch(ctx.request.request_id, address, uncached, block_size)
@@ -683,8 +679,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             outcome.address, outcome.usage, outcome.ttft_s, outcome.ok, outcome.now
         )  # fmt: skip
         routed = self._pending.pop(ctx.request.request_id, None)
-        if self._progress is not None:
-            self._progress.forget(ctx.request.request_id)
+        if ctx.prefill_progress is not None:
+            ctx.prefill_progress.forget(ctx.request.request_id)
         if routed is None or routed.address != address:
             return
         self.routed_prefixes.release(routed.chunk_keys, address)
