@@ -86,12 +86,14 @@ ROUTER_NAMES = (
     "smart-epp",
     "smart-epp via /tokenize",
     "smart-epp 3 replicas",
+    "smart-epp 3 replicas polling",
     "smart-epp 2 workers",
     "vllm-router cache_aware",
     "vllm-router kv_aware",
     "sglang-router cache_aware",
 )
 
+NOT_BY_DEFAULT = ("smart-epp via /tokenize", "smart-epp 3 replicas polling")
 
 # ------------------------------------------------------------------------------ pods
 
@@ -208,16 +210,17 @@ def start_smart_epp(group: ProcessGroup, pods: Pods) -> str:
     return _start_envoy(group, [address])
 
 
-def start_smart_epp_replicas(group: ProcessGroup, pods: Pods, count: int = 3) -> str:
+def start_smart_epp_replicas(group: ProcessGroup, pods: Pods, count: int = 3, *sync: str) -> str:
     """`count` `epp serve` replicas sharing pool state through one Valkey
     (`--shared-state redis`, as the Kubernetes package deploys them), each subscribed to
-    every pod's KV events, behind one `epp envoy` that balances streams over them."""
+    every pod's KV events, behind one `epp envoy` that balances streams over them;
+    `sync`: extra shared-state flags."""
     socket_path = group.workdir / "valkey.sock"
     store = group.start("valkey", server_command(group.workdir, unix_socket=socket_path))
     wait_for("Valkey", lambda: answers(socket_path), store, 30)
     endpoints = _endpoints_file(group, pods)
     shared = ("--shared-state", "redis", "--redis-url", f"unix://{socket_path}")
-    shared += _tokenizer_args(group, pods)
+    shared += (*sync, *_tokenizer_args(group, pods))
     replicas = [_start_epp_serve(group, f"epp{i}", endpoints, *shared) for i in range(count)]
     return _start_envoy(group, replicas)
 
@@ -280,6 +283,10 @@ ROUTERS: dict[str, Callable[[ProcessGroup, Pods], str]] = {
         g, dataclasses.replace(p, tokenizer_files=None)
     ),
     "smart-epp 3 replicas": start_smart_epp_replicas,
+    # The replicas' sync before change notices: every picker polls the store every 20 ms.
+    "smart-epp 3 replicas polling": lambda g, p: start_smart_epp_replicas(
+        g, p, 3, "--shared-state-notices", "false", "--shared-state-sync-interval", "0.02"
+    ),
     "smart-epp 2 workers": start_smart_epp_workers,
     "vllm-router cache_aware": lambda g, p: start_vllm_router(g, p, "cache_aware"),
     "vllm-router kv_aware": lambda g, p: start_vllm_router(g, p, "kv_aware"),
@@ -784,9 +791,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--routers",
         nargs="+",
         choices=ROUTER_NAMES,
-        default=[r for r in ROUTER_NAMES if r != "smart-epp via /tokenize"],
+        default=[r for r in ROUTER_NAMES if r not in NOT_BY_DEFAULT],
         help="default: all but `smart-epp via /tokenize`, which differs from `smart-epp` "
-        "only with --pod-tokenizer",
+        "only with --pod-tokenizer, and `smart-epp 3 replicas polling`, the replicas' "
+        "earlier sync",
     )
     p.add_argument("--loads", nargs="+", type=float, default=[0.4, 0.8],
                    help="offered load, fractions of the pool's raw prefill capacity")  # fmt: skip

@@ -38,6 +38,7 @@ from smart_epp.epp.datastore import Datastore
 from smart_epp.epp.flow import RequestFlow
 from smart_epp.epp.scheduler import build_scheduler
 from smart_epp.epp.shared_state.private_store import server_binary
+from smart_epp.epp.shared_state.sync import DEFAULT_INTERVAL_S
 from smart_epp.epp.shared_state.wiring import connect_shared_state
 from smart_epp.framework.types import Api, Endpoint, LLMRequest, PodMetrics
 from smart_epp.kv_index.memory import DEFAULT_SPECULATIVE_TTL_S, MemoryBlockIndex
@@ -89,7 +90,7 @@ class Picker:
             datastore=self.datastore,
             index=self.index,
             registry=self.registry,
-            interval_s=0.02,
+            interval_s=DEFAULT_INTERVAL_S,
             speculative_ttl_s=DEFAULT_SPECULATIVE_TTL_S,
             max_staleness_s=max_staleness_s,
         )

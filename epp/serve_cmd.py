@@ -66,6 +66,7 @@ from .server import DEFAULT_MAX_BODY_BYTES, EppServer, ServerOptions
 from .shared_state.records import RecordRelay
 from .shared_state.sync import DEFAULT_INTERVAL_S as DEFAULT_SHARED_SYNC_S
 from .shared_state.sync import DEFAULT_MAX_STALENESS_S as DEFAULT_SHARED_MAX_STALENESS_S
+from .shared_state.sync import DEFAULT_NOTICE_GAP_S as DEFAULT_SHARED_NOTICE_GAP_S
 from .shared_state.wiring import SharedStateKind, connect_shared_state
 from .tls import TlsOptions, server_credentials
 from .tokenization import TokenizerRouter
@@ -135,6 +136,10 @@ class ServeOptions:
     shared_state_url: str | None = None
     shared_state_sync_s: float = DEFAULT_SHARED_SYNC_S
     shared_state_max_staleness_s: float = DEFAULT_SHARED_MAX_STALENESS_S
+    # Exchanges that change loads or routed prefixes wake the other pickers' reads, at
+    # most one notice (and one exchange woken by notices) per gap.
+    shared_state_notices: bool = True
+    shared_state_notice_gap_s: float = DEFAULT_SHARED_NOTICE_GAP_S
     # A worker of `--workers N` (set by the supervisor, epp/workers.py): binds the
     # ext_proc port with SO_REUSEPORT and hands access-log records it did not route on.
     reuse_port: bool = False
@@ -270,6 +275,8 @@ async def serve(
         interval_s=options.shared_state_sync_s,
         speculative_ttl_s=DEFAULT_SPECULATIVE_TTL_S,
         max_staleness_s=options.shared_state_max_staleness_s,
+        notices=options.shared_state_notices,
+        notice_gap_s=options.shared_state_notice_gap_s,
     )
     scheduler = build_scheduler(
         loaded,
@@ -799,16 +806,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="make each decision read the store first (one round trip, shared by the "
         "decisions waiting at that moment, waiting at most 1 ms) unless an exchange "
         "started this recently; default off: decisions use what the background sync "
-        "brought in, at most --shared-state-sync-interval old",
+        "brought in (peers' changes at most --shared-state-notice-gap old plus round "
+        "trips, or --shared-state-sync-interval without notices)",
     )
     shared.add_argument(
         "--shared-state-sync-interval",
         type=_positive(float),
         default=DEFAULT_SHARED_SYNC_S,
         metavar="SECONDS",
-        help="exchange with the store at least this often (besides after each decision): "
-        "the heartbeat, and how stale peers' state may get between this picker's own "
-        "decisions (default %(default)s)",
+        help="exchange with the store at least this often (besides after each decision "
+        "and each peer's change notice): the heartbeat, and how stale peers' state may "
+        "get when notices are off or their connection is down (default %(default)s)",
+    )
+    shared.add_argument(
+        "--shared-state-notices",
+        type=boolean,
+        nargs="?",
+        const=True,
+        default=True,
+        metavar="true|false",
+        help="an exchange that changes this picker's loads or routed prefixes notifies "
+        "the other pickers (store pub/sub), which read it at once instead of at their "
+        "next heartbeat (default true)",
+    )
+    shared.add_argument(
+        "--shared-state-notice-gap",
+        type=_positive(float),
+        default=DEFAULT_SHARED_NOTICE_GAP_S,
+        metavar="SECONDS",
+        help="send at most one change notice, and read the store for peers' notices at "
+        "most once, per this interval: how old a busy pool's peer decisions may be when "
+        "a decision reads them, against one exchange per interval (default %(default)s)",
     )
     signals = parser.add_argument_group("pod signals")
     signals.add_argument(
@@ -974,6 +1002,8 @@ def run(args: argparse.Namespace) -> int:
         shared_state_max_staleness_s=args.shared_state_max_staleness
         if args.shared_state_max_staleness is not None
         else DEFAULT_SHARED_MAX_STALENESS_S,
+        shared_state_notices=args.shared_state_notices,
+        shared_state_notice_gap_s=args.shared_state_notice_gap,
         reuse_port=args.reuse_port,
         hand_on_records=args.hand_on_records,
         tokenizer_discovery=args.tokenizer_discovery,

@@ -92,8 +92,9 @@ MAX_UTILISATION = 0.95
 # Utilisation is the predicted prefill routed over this window: long enough to average a
 # few requests' arrivals, short enough to follow a load change within a second.
 UTILISATION_WINDOW_S = 1.0
-# Answers kept for other pickers (shared pool state) between two exchanges with them; an
-# exchange every 20 ms takes them long before this many arrive.
+# Answers kept for other pickers (shared pool state) between two exchanges with them; each
+# answer ends a request, whose release wakes an exchange, so they go long before this
+# many arrive.
 MAX_SHARED_SAMPLES = 4096
 # A shared sample: TTFT, prompt tokens, cached tokens, and what was ahead on the pod
 # (tokens, attention pairs, running requests).

@@ -13,12 +13,15 @@ Layout, all under one hash tag so a cluster keeps it in one slot:
                             for a minute)
     {prefix}:epoch          a random token set once: a new one means the store was
                             emptied (restarted) and every picker writes its table again
+    {prefix}:changed        pub/sub channel: the id of a picker whose exchange changed
+                            what the others' decisions read (its change notice)
 
 One Lua script does a whole exchange, so it is atomic and costs one round trip: it
 writes this picker's changed loads, refreshes its expiry, drops pickers past theirs,
 appends its routed entries and learned answers, records its scrapes, and returns the
 other pickers' ids and loads, the routed entries and learned answers appended since this
-picker's cursors, and the others' scrapes written since its last exchange. Expiry
+picker's cursors, and the others' scrapes written since its last exchange; and it
+publishes the change notice when asked, after the writes it announces. Expiry
 runs on the server's clock (TIME), so pickers on different hosts need no synchronised
 clocks.
 """
@@ -26,6 +29,7 @@ clocks.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -62,7 +66,8 @@ local learned_cursor, batch = ARGV[11], ARGV[12]
 local max_learned = tonumber(ARGV[13])
 local scrapes, nscrapes = KEYS[6], tonumber(ARGV[14])
 local scrape_cursor, scrape_forget = tonumber(ARGV[15]), tonumber(ARGV[16])
-local i = 17
+local channel, notify = ARGV[17], ARGV[18]
+local i = 19
 if replace == '1' then redis.call('DEL', own) end
 for _ = 1, nloads do
   if ARGV[i + 1] == '' then
@@ -99,6 +104,7 @@ if batch ~= '' then
 end
 redis.call('PEXPIRE', learned, ttl + 60000)
 redis.call('PEXPIRE', epoch_key, math.max(ttl, max_routed_ttl) + 60000)
+if notify == '1' then redis.call('PUBLISH', channel, me) end
 local loads = {}
 local ids = {}
 for _, id in ipairs(redis.call('ZRANGE', pickers, 0, -1)) do
@@ -181,6 +187,7 @@ class RedisPoolStore:
         self.max_routed_ttl_ms = max(1, int(max_routed_ttl_s * 1000))
         self._script = client.register_script(_EXCHANGE)
         self._keys_prefix = f"{prefix}:load:"
+        self.channel = f"{prefix}:changed"
         self._cursor = ""
         self._learned_cursor = ""
         self._scrape_cursor = 0  # server ms of the last exchange
@@ -215,6 +222,8 @@ class RedisPoolStore:
             len(update.scrapes),
             self._scrape_cursor,
             int(SCRAPE_FORGET_S * 1000),
+            self.channel,
+            "1" if update.notify else "0",
         ]
         for pod, load in update.loads.items():
             args += [pod, "" if load.empty else load.encode()]
@@ -269,6 +278,18 @@ class RedisPoolStore:
             except ValueError:
                 view.malformed_learned += 1
         return view
+
+    async def watch(
+        self, picker: str, notice: Callable[[], None], subscribed: Callable[[], None]
+    ) -> None:
+        own = picker.encode()
+        async with self.client.pubsub(ignore_subscribe_messages=True) as pubsub:
+            await pubsub.subscribe(self.channel)
+            subscribed()
+            # Blocks with no read timeout: a quiet pool sends no notices for a long time.
+            async for message in pubsub.listen():
+                if message["data"] != own:
+                    notice()
 
     async def close(self) -> None:
         await self.client.aclose()

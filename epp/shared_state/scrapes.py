@@ -1,6 +1,8 @@
 """Shared /metrics scrapes: each pod is fetched by one picker of the pool and the others
 apply that picker's scrape, so N pickers cost the pods (and themselves) one scrape per
-interval instead of N.
+interval instead of N. A fetch whose page differs from the pod's last one is news the
+others' decisions should read soon: it wakes an exchange with a change notice; an idle
+pod's unchanged page waits for the heartbeat.
 
 Which picker fetches a pod: rendezvous hashing of (picker id, pod) over the live pickers
 the last exchange named, so a picker joining or leaving moves only its own share of the
@@ -13,7 +15,7 @@ never go stale while the dead owner's entry waits out its expiry.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prometheus_client import Counter, Gauge
 
@@ -63,6 +65,10 @@ class ScrapeSharing:
         self._seq: dict[str, int] = {}
         self._outbox: dict[str, tuple[int, float, str]] = {}  # pod -> (seq, taken at, payload)
         self._applied: dict[str, tuple[str, int]] = {}  # pod -> (picker, seq) last applied
+        self._last_payload: dict[str, str] = {}  # pod -> what its last fetch said
+        # Called when a fetch says something the last fetch of that pod did not: the
+        # other pickers' decisions should read it soon (a change notice).
+        self.on_news: Callable[[], None] | None = None
         scraper.should_scrape = self.fetches
         scraper.on_fetched = self._fetched
 
@@ -87,6 +93,10 @@ class ScrapeSharing:
         self._seq[pod.address] = seq
         payload = encode_scrape(metrics, pod.metrics.consecutive_failures)
         self._outbox[pod.address] = (seq, self.scraper.clock(), payload)
+        if self._last_payload.get(pod.address) != payload:
+            self._last_payload[pod.address] = payload
+            if self.on_news is not None:
+                self.on_news()
 
     def outgoing(self) -> list[SharedScrape]:
         """This picker's newest fetch of each pod not yet written to the store."""
@@ -136,7 +146,9 @@ class ScrapeSharing:
             elif taken > pod.metrics.scraped_at:
                 self.scraper.apply_scrape(pod, result, taken)
             counter.labels("applied").inc()
-        for table in (self._owners, self._owner_heard, self._seq, self._outbox, self._applied):
+        tables = (self._owners, self._owner_heard, self._seq, self._outbox, self._applied,
+                  self._last_payload)  # fmt: skip
+        for table in tables:
             for address in table.keys() - known.keys():
                 del table[address]
         self.fetched_pods.set(sum(1 for address in known if self.fetches(address)))

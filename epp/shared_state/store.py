@@ -16,17 +16,20 @@ the others cannot learn from the pods before their next decision:
   N pickers cost the pods and themselves one scrape per interval, not N.
 
 One exchange per sync writes what this picker changed and reads what the others hold,
-in one round trip (`PoolStateStore.exchange`).
+in one round trip (`PoolStateStore.exchange`). An exchange that changed what the others'
+decisions read (loads, routed prefixes) also sends them a change notice
+(`PoolStateStore.watch`), so they read it at once instead of at their next heartbeat.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import struct
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -190,6 +193,9 @@ class PickerUpdate:
     # The store may have lost this picker's entry (first exchange, or after an outage):
     # `loads` is then the whole table and replaces what the store holds.
     replace: bool = False
+    # Send the other pickers a change notice: this update changes what their next
+    # decision should read (loads, routed prefixes).
+    notify: bool = False
 
 
 @dataclass(slots=True)
@@ -235,6 +241,14 @@ class PoolStateStore(Protocol):
 
     async def exchange(self, update: PickerUpdate) -> PeerView: ...
 
+    async def watch(
+        self, picker: str, notice: Callable[[], None], subscribed: Callable[[], None]
+    ) -> None:
+        """Calls `subscribed` once subscribed, then `notice` each time another picker's
+        exchange sends a change notice. Runs until cancelled; raises when the connection
+        to the store is lost."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -264,6 +278,18 @@ class LocalPoolStore:
         # pod -> (sequence written, taken at (monotonic), scrape)
         self._scrapes: dict[str, tuple[int, float, SharedScrape]] = {}
         self._scrape_cursors: dict[str, int] = {}
+        self._watchers: dict[str, list[Callable[[], None]]] = {}
+
+    async def watch(
+        self, picker: str, notice: Callable[[], None], subscribed: Callable[[], None]
+    ) -> None:
+        watchers = self._watchers.setdefault(picker, [])
+        watchers.append(notice)
+        subscribed()
+        try:
+            await asyncio.Event().wait()  # until cancelled
+        finally:
+            watchers.remove(notice)
 
     async def exchange(self, update: PickerUpdate) -> PeerView:
         now = time.monotonic()
@@ -331,6 +357,13 @@ class LocalPoolStore:
             if picker != me:
                 view.learned.append(sample)
         self._learned_cursors[me] = cursor
+        if update.notify:
+            loop = asyncio.get_running_loop()
+            for picker, watchers in self._watchers.items():
+                if picker != me:
+                    # After this exchange returns, as a notice over a socket would come.
+                    for notice in watchers:
+                        loop.call_soon(notice)
         return view
 
     async def close(self) -> None:

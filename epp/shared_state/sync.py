@@ -5,9 +5,20 @@ The decision path never waits for the store. It books in-flight load and writes
 speculative index entries locally, as a picker alone does; each such change wakes a
 background loop that exchanges this picker's changes for its peers' state in one round
 trip (changes made while an exchange is in flight ride the next one, so there is at
-most one write per decision and usually fewer). Without changes the loop still
-exchanges every `interval_s`: that is the heartbeat that keeps this picker's entry alive
-and the read that brings its peers' decisions in.
+most one write per decision and usually fewer). An exchange that wrote loads or routed
+prefixes sends the other pickers a change notice, and a notice wakes their loops to read
+it: a lone decision reaches the other pickers about two round trips after it was made.
+A /metrics page this picker fetched for the pool that differs from the pod's last one is
+news too (`scrapes.ScrapeSharing.on_news`); an idle pool sends none.
+Both ends are paced (`Pacer`): a picker sends, and reads for its peers' notices, at most
+one time per `notice_gap_s` on average, with bursts of `NOTICE_BURST` at once. A quiet
+pool's few changes (one request's booking, first byte and release) thus go out and are
+read at once; in a busy pool a change waits for the pace (a change made meanwhile is
+announced when its turn comes), so a peer's state is at most about a gap (and a round
+trip) old and costs at most one exchange per gap. Without changes or notices the loop
+still exchanges every `interval_s`: the heartbeat that keeps this picker's entry alive
+and brings in what sends no notice (unchanged scrapes, learned answers), and the
+fallback while the notices' connection is down.
 
 Peers' loads are folded into the datastore's per-pod in-flight counts; their routed
 prefixes go into the local block index as speculative entries with what is left of
@@ -45,7 +56,15 @@ from .store import PeerView, PickerUpdate, PodLoad, PoolStateStore, RoutedEntry
 
 log = logging.getLogger(__name__)
 
-DEFAULT_INTERVAL_S = 0.02
+DEFAULT_INTERVAL_S = 0.1
+# Notices are sent, and exchanges woken by them start, this far apart on average: in a
+# busy pool a peer's decisions are about this old (plus a round trip) when a decision
+# reads them, as with the 20 ms polling notices replaced, and a picker makes at most 50
+# notice-driven exchanges a second (README, "Measured": shared_state_freshness) ...
+DEFAULT_NOTICE_GAP_S = 0.02
+# ... after a burst of this many at once: a request's booking, first byte and release,
+# and a changed scrape, are announced and read without waiting.
+NOTICE_BURST = 4
 # Off by default (inf): decisions use what the background sync brought in. A finite
 # value makes a decision read the store first unless an exchange started this recently,
 # waiting at most `DEFAULT_READ_BUDGET_S`: fresher, but every such decision sleeps on a
@@ -124,12 +143,55 @@ class SharedStateMetrics:
             "Other live pickers sharing the pool state, at the last exchange",
             registry=registry,
         )
+        self.notices = Counter(
+            "smart_epp_shared_state_notices_total",
+            "Change notices: sent by this picker's exchanges (it wrote loads or routed "
+            "prefixes), or received from its peers (each wakes an exchange)",
+            ["direction"],
+            registry=registry,
+        )
+        self.watching = Gauge(
+            "smart_epp_shared_state_watching",
+            "1 while this picker is subscribed to its peers' change notices; 0 while it "
+            "reads their state only at its heartbeat",
+            registry=registry,
+        )
         self.peer_requests = Gauge(
             "smart_epp_shared_state_peer_inflight_requests",
             "Requests other pickers have in flight on the pod, at the last exchange",
             ["pod"],
             registry=registry,
         )
+
+
+class Pacer:
+    """A token bucket: on average one event per `interval_s`, up to `burst` at once."""
+
+    def __init__(self, interval_s: float, burst: int) -> None:
+        self.interval_s = interval_s
+        self.burst = float(burst)
+        self._tokens = float(burst)
+        self._at = float("-inf")
+
+    def _refill(self, now: float) -> None:
+        if self.interval_s <= 0:
+            self._tokens = self.burst
+        else:
+            self._tokens = min(self.burst, self._tokens + (now - self._at) / self.interval_s)
+        self._at = now
+
+    def wait(self, now: float) -> float:
+        """Seconds until the next event may go (0: now)."""
+        self._refill(now)
+        # A hair short of a token counts as one: a timer set for the exact moment must
+        # find it there despite rounding.
+        if self._tokens >= 1.0 - 1e-9:
+            return 0.0
+        return (1.0 - self._tokens) * self.interval_s
+
+    def take(self, now: float) -> None:
+        self._refill(now)
+        self._tokens -= 1.0
 
 
 class CounterRates:
@@ -173,6 +235,8 @@ class SharedPoolState:
         retry_s: float = DEFAULT_RETRY_S,
         max_staleness_s: float = DEFAULT_MAX_STALENESS_S,
         read_budget_s: float = DEFAULT_READ_BUDGET_S,
+        notices: bool = True,
+        notice_gap_s: float = DEFAULT_NOTICE_GAP_S,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.store = store
@@ -185,7 +249,16 @@ class SharedPoolState:
         self.retry_s = retry_s
         self.max_staleness_s = max_staleness_s
         self.read_budget_s = read_budget_s
+        self.notices = notices
+        self.notice_gap_s = notice_gap_s
         self._view_at = float("-inf")  # when the last successful exchange started
+        self._noticed = False  # a peer's notice came since the last exchange started
+        self._sending = Pacer(notice_gap_s, NOTICE_BURST)  # this picker's notices
+        self._reading = Pacer(notice_gap_s, NOTICE_BURST)  # exchanges notices woke
+        self._owe_notice = False  # a change went out unannounced: its notice is due
+        self._notice_timer: asyncio.TimerHandle | None = None
+        self._new_scrape = False  # a fetched page changed since the last exchange
+        self._watch_task: asyncio.Task[None] | None = None
         self._current: asyncio.Task[bool] | None = None
         self.metrics = SharedStateMetrics(registry or CollectorRegistry())
         self.up: bool | None = None  # None until the first exchange
@@ -216,6 +289,12 @@ class SharedPoolState:
             scrapes=self.metrics.scrapes,
             fetched_pods=self.metrics.fetched_pods,
         )
+        if self.notices:
+            self.scrape_sharing.on_news = self._scrape_news
+
+    def _scrape_news(self) -> None:
+        self._new_scrape = True
+        self._wake.set()
 
     def share_learning(self, plugins: Callable[[], Iterable[object]]) -> None:
         """The scheduler's plugins (asked at each exchange, so a reloaded configuration's
@@ -261,11 +340,43 @@ class SharedPoolState:
     # ------------------------------------------------------------------ the loop
 
     def start(self) -> None:
+        self._wake.set()  # the first exchange (this picker's whole table) at once
         self._task = asyncio.create_task(self._run(), name="shared-pool-state")
+        if self.notices:
+            self._watch_task = asyncio.create_task(self._watch(), name="shared-state-notices")
+
+    def _notice(self) -> None:
+        self.metrics.notices.labels("received").inc()
+        self._noticed = True
+        self._wake.set()
+
+    async def _watch(self) -> None:
+        """Subscribed to the peers' change notices for as long as the store allows; the
+        heartbeat carries their state meanwhile."""
+        while not self._closing:
+            try:
+                await self.store.watch(
+                    self.picker_id, self._notice, lambda: self.metrics.watching.set(1)
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.debug("change notices: %s; subscribing again", exc)
+            finally:
+                self.metrics.watching.set(0)
+            # Whatever came while unsubscribed is read by the next exchange.
+            self._noticed = True
+            self._wake.set()
+            await asyncio.sleep(self.retry_s)
 
     async def close(self) -> None:
         self._closing = True
         self._wake.set()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+            self._watch_task = None
         if self._task is not None:
             # Python 3.11's wait_for can swallow a cancel that meets a wake-up; the flag
             # ends the loop then.
@@ -273,6 +384,8 @@ class SharedPoolState:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._notice_timer is not None:
+            self._notice_timer.cancel()
         if self._current is not None and not self._current.done():
             self._current.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -281,11 +394,24 @@ class SharedPoolState:
 
     async def _run(self) -> None:
         while not self._closing:
-            with contextlib.suppress(TimeoutError):
+            woken = True
+            try:
                 await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            except TimeoutError:
+                woken = False  # the heartbeat
             self._wake.clear()
             if self._closing:
                 return
+            own = (self._changed or self._outbox or self._replace or self._owe_notice
+                   or self._new_scrape)  # fmt: skip
+            if woken and not own:
+                if not self._noticed:
+                    continue  # the exchange since the wake-up read what woke it
+                # Woken by peers alone: at the reading pace.
+                wait = self._reading.wait(time.monotonic())
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                self._reading.take(time.monotonic())
             if not await asyncio.shield(self._kick()):
                 await asyncio.sleep(self.retry_s)
 
@@ -311,6 +437,17 @@ class SharedPoolState:
                     loads[address] = load
         for learner in self._learners().values():
             self._learned_outbox.extend(learner.take_learned())
+        notify = False
+        news = loads or routed or self._replace or self._owe_notice or self._new_scrape
+        self._new_scrape = False
+        if self.notices and news:
+            wait = self._sending.wait(now)
+            notify = wait == 0.0
+            if notify:
+                self._sending.take(now)
+            self._owe_notice = not notify
+            if self._owe_notice and self._notice_timer is None:
+                self._notice_timer = asyncio.get_running_loop().call_later(wait, self._notice_due)
         return PickerUpdate(
             self.picker_id,
             loads,
@@ -318,7 +455,12 @@ class SharedPoolState:
             list(self._learned_outbox),
             self.scrape_sharing.outgoing() if self.scrape_sharing is not None else (),
             replace=self._replace,
+            notify=notify,
         )
+
+    def _notice_due(self) -> None:
+        self._notice_timer = None
+        self._wake.set()
 
     async def sync_once(self) -> bool:
         """One exchange; False when the store did not answer."""
@@ -328,6 +470,8 @@ class SharedPoolState:
         self._changed = set()
         started_at = time.monotonic()
         started = time.perf_counter()
+        # This exchange reads everything a notice received so far announced.
+        self._noticed = False
         try:
             view = await asyncio.wait_for(self.store.exchange(update), self.timeout_s)
         except (asyncio.CancelledError, KeyboardInterrupt):
@@ -358,6 +502,8 @@ class SharedPoolState:
             self.metrics.learned.labels("published").inc(len(update.learned))
         if update.routed:
             self.metrics.routed.labels("published").inc(len(update.routed))
+        if update.notify:
+            self.metrics.notices.labels("sent").inc()
         if self.scrape_sharing is not None:
             self.scrape_sharing.sent(update.scrapes)
         was_replace = update.replace

@@ -9,7 +9,12 @@ from prometheus_client import CollectorRegistry
 from ..datastore import Datastore
 from .redis_store import RedisPoolStore
 from .store import LocalPoolStore, PoolStateStore
-from .sync import DEFAULT_MAX_STALENESS_S, PublishingIndex, SharedPoolState
+from .sync import (
+    DEFAULT_MAX_STALENESS_S,
+    DEFAULT_NOTICE_GAP_S,
+    PublishingIndex,
+    SharedPoolState,
+)
 
 SharedStateKind = Literal["local", "redis"]
 
@@ -25,6 +30,8 @@ def connect_shared_state(
     interval_s: float,
     speculative_ttl_s: float,
     max_staleness_s: float = DEFAULT_MAX_STALENESS_S,
+    notices: bool = True,
+    notice_gap_s: float = DEFAULT_NOTICE_GAP_S,
     store: PoolStateStore | None = None,
 ) -> tuple[SharedPoolState | None, Any]:
     """The shared state (None for `local` without a store given: a picker alone) and the
@@ -48,6 +55,8 @@ def connect_shared_state(
         index=local_index,
         interval_s=interval_s,
         max_staleness_s=max_staleness_s,
+        notices=notices,
+        notice_gap_s=notice_gap_s,
         registry=registry,
     )
     return shared, PublishingIndex(index, shared) if local_index is not None else index

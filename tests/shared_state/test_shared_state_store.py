@@ -201,3 +201,31 @@ async def test_scrapes_reach_the_other_pickers_with_their_age_and_the_live_picke
 def test_a_malformed_shared_scrape_is_refused(payload: str) -> None:
     with pytest.raises(ValueError, match="malformed shared scrape"):
         decode_scrape(payload)
+
+
+async def test_change_notices_go_to_the_other_pickers_only_when_asked(
+    stores: StoreFactory,
+) -> None:
+    a, b = stores(), stores()
+    heard: dict[str, list[str]] = {"a": [], "b": []}
+    subscribed: list[str] = []
+
+    def watch(store: PoolStateStore, name: str) -> asyncio.Task[None]:
+        notice = lambda: heard[name].append("notice")  # noqa: E731
+        return asyncio.create_task(store.watch(name, notice, lambda: subscribed.append(name)))
+
+    watches = [watch(a, "a"), watch(b, "b")]
+    try:
+        await async_wait_until(lambda: sorted(subscribed) == ["a", "b"], 5, "both subscribed")
+        await a.exchange(PickerUpdate("a", {"pod1": PodLoad(1, 10, 1, 10)}, replace=True))
+        await a.exchange(PickerUpdate("a", {"pod1": PodLoad(2, 20, 2, 20)}, notify=True))
+        await async_wait_until(lambda: heard["b"], 5, "b hearing a's notice")
+        # Notices arrive in the order sent: had the first exchange sent one, it would be
+        # here by now. Nobody hears their own.
+        await b.exchange(PickerUpdate("b", {}, notify=True))
+        await async_wait_until(lambda: heard["a"], 5, "a hearing b's notice")
+        assert heard == {"a": ["notice"], "b": ["notice"]}
+    finally:
+        for watch in watches:
+            watch.cancel()
+        await asyncio.gather(*watches, return_exceptions=True)

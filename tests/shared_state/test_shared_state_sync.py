@@ -5,18 +5,29 @@ stopped and restarted."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
+from aiohttp import web
 from prometheus_client import CollectorRegistry
-from support.net import async_wait_until
+from support.net import async_wait_until, free_port
+from support.paths import VLLM_FIXTURES
 from support.redis_server import RedisServer, redis_server_fixture
 
 from smart_epp.epp.datastore import Datastore
+from smart_epp.epp.scrape import MetricsScraper
 from smart_epp.epp.shared_state.redis_store import RedisPoolStore
 from smart_epp.epp.shared_state.store import LocalPoolStore, PoolStateStore
-from smart_epp.epp.shared_state.sync import CounterRates, PublishingIndex, SharedPoolState
+from smart_epp.epp.shared_state.sync import (
+    NOTICE_BURST,
+    CounterRates,
+    Pacer,
+    PublishingIndex,
+    SharedPoolState,
+)
 from smart_epp.framework.types import Endpoint
 from smart_epp.kv_index.memory import MemoryBlockIndex
 from smart_epp.scorers.predicted_ttft_scorer import PredictedTTFTParams, PredictedTTFTScorer
@@ -38,15 +49,15 @@ class Picker:
         return self.registry.get_sample_value(name, labels) or 0.0
 
 
-def make_picker(store: PoolStateStore, name: str) -> Picker:
+def make_picker(store: PoolStateStore, name: str, **options: Any) -> Picker:
     datastore = Datastore()
     datastore.set_endpoints(Endpoint(address) for address in PODS)
     index = MemoryBlockIndex(10_000)
     registry = CollectorRegistry()
+    options = {"interval_s": 0.02, "retry_s": 0.05, "timeout_s": 0.3} | options
     shared = SharedPoolState(
-        store, datastore, index=index, picker_id=name, interval_s=0.02, retry_s=0.05,
-        timeout_s=0.3, registry=registry,
-    )  # fmt: skip
+        store, datastore, index=index, picker_id=name, registry=registry, **options
+    )
     return Picker(datastore, index, PublishingIndex(index, shared), shared, registry)
 
 
@@ -134,6 +145,22 @@ async def test_what_one_picker_learns_of_the_pods_the_other_learns_too(
     assert a.metric("smart_epp_shared_state_learned_samples_total", direction="published") == 40
 
 
+def test_a_pacer_lets_a_burst_through_then_one_per_interval() -> None:
+    pacer = Pacer(interval_s=0.02, burst=3)
+    for _ in range(3):
+        assert pacer.wait(10.0) == 0.0
+        pacer.take(10.0)
+    assert pacer.wait(10.0) == pytest.approx(0.02)
+    assert pacer.wait(10.01) == pytest.approx(0.01)
+    assert pacer.wait(10.02) == 0.0
+    pacer.take(10.02)
+    assert pacer.wait(10.02) == pytest.approx(0.02)
+    assert pacer.wait(20.0) == 0.0  # refilled while quiet, never past the burst
+    for _ in range(3):
+        pacer.take(20.0)
+    assert pacer.wait(20.0) > 0.0
+
+
 def test_counter_rates_read_a_window_and_restart_when_a_counter_shrinks() -> None:
     rates = CounterRates(window_s=1.0)
     assert rates.update(0.0, {"p": 10.0}) == {"p": 0.0}
@@ -212,3 +239,173 @@ async def test_store_outage_falls_back_to_local_state_and_reconciles(
     finally:
         await a.shared.close()
         await b.shared.close()
+
+
+# A heartbeat no test waits out: whatever a picker reads within a test, a notice woke.
+NO_HEARTBEAT_S = 600.0
+
+
+@pytest.fixture(params=["local", pytest.param("redis", marks=pytest.mark.redis)])
+async def quiet_pickers(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Picker, Picker]]:
+    """Two pickers whose loops exchange only for their own changes and peers' notices."""
+    if request.param == "local":
+        store = LocalPoolStore()
+        stores: list[PoolStateStore] = [store, store]
+    else:
+        server = request.getfixturevalue("redis_server")
+        stores = [RedisPoolStore.from_url(server.url, pool_name="p") for _ in range(2)]
+    a, b = (
+        make_picker(store, name, interval_s=NO_HEARTBEAT_S, notice_gap_s=0.05)
+        for store, name in zip(stores, "ab", strict=True)
+    )
+    a.shared.start()
+    b.shared.start()
+    await async_wait_until(
+        lambda: (
+            a.shared.up
+            and b.shared.up
+            and a.metric("smart_epp_shared_state_watching")
+            and b.metric("smart_epp_shared_state_watching")
+        ),
+        5,
+        "both pickers connected and subscribed",
+    )
+    yield a, b
+    await a.shared.close()
+    await b.shared.close()
+
+
+async def test_a_peers_decision_reaches_a_picker_through_its_notice_not_its_heartbeat(
+    quiet_pickers: tuple[Picker, Picker],
+) -> None:
+    a, b = quiet_pickers
+    keys = [31, 32, 33]
+    a.datastore.book(PODS[1], 300, None)
+    a.scheduler_index.add_speculative_sync(PODS[1], keys, 5.0)
+    seen = b.datastore.get(PODS[1])
+    assert seen is not None
+
+    async def held() -> bool:
+        return (await b.index.lookup(keys)).get(PODS[1]) is not None
+
+    await async_wait_until(held, 5, "b holding a's routed prefix")
+    await async_wait_until(lambda: seen.inflight.peer_requests == 1, 5, "b seeing a's booking")
+    assert a.metric("smart_epp_shared_state_notices_total", direction="sent") >= 1
+    assert b.metric("smart_epp_shared_state_notices_total", direction="received") >= 1
+    # b changed nothing, so it sent no notice, and a read nothing new of b's.
+    assert b.metric("smart_epp_shared_state_notices_total", direction="sent") <= 1  # first
+    a.datastore.release(PODS[1], 300, None, prefilling=True)
+    await async_wait_until(lambda: seen.inflight.peer_requests == 0, 5, "b seeing the release")
+
+
+async def test_a_burst_of_changes_is_announced_and_read_at_most_once_per_gap(
+    quiet_pickers: tuple[Picker, Picker],
+) -> None:
+    """a changes its load 40 times, each in its own exchange: past the first burst it
+    sends at most one notice per gap, b exchanges at most once per gap, and b still ends
+    up with every change (the last one's notice went out when its turn came)."""
+    a, b = quiet_pickers
+    seen = b.datastore.get(PODS[0])
+    assert seen is not None
+    before = b.shared.exchanges
+    started = time.monotonic()
+    for i in range(40):
+        # One change per exchange of a's: each is its own notice.
+        exchanged = a.shared.exchanges
+        a.datastore.book(PODS[0], 10, None)
+        await async_wait_until(lambda n=exchanged: a.shared.exchanges > n, 5, f"a's {i}th")
+    await async_wait_until(lambda: seen.inflight.peer_requests == 40, 5, "b seeing all 40")
+    elapsed = time.monotonic() - started
+    woken = b.shared.exchanges - before
+    sent = a.metric("smart_epp_shared_state_notices_total", direction="sent")
+    # A burst, then one per 0.05 s (the fixture's gap).
+    assert 2 <= sent <= NOTICE_BURST + elapsed / 0.05 + 1, (sent, elapsed)
+    assert woken <= NOTICE_BURST + elapsed / 0.05 + 2, (woken, elapsed)
+    assert sent < 40 and woken < 40
+
+
+@pytest.mark.redis
+async def test_notices_come_back_after_a_store_outage(redis_server: RedisServer) -> None:
+    a, b = (
+        make_picker(RedisPoolStore.from_url(redis_server.url, pool_name="p"), name,
+                    interval_s=0.05, notice_gap_s=0.0)
+        for name in "ab"
+    )  # fmt: skip
+    a.shared.start()
+    b.shared.start()
+    try:
+        watching = "smart_epp_shared_state_watching"
+        await async_wait_until(lambda: b.metric(watching) == 1, 5, "b subscribed")
+        redis_server.stop()
+        await async_wait_until(lambda: b.metric(watching) == 0, 10, "b's subscription lost")
+        redis_server.start()
+        await async_wait_until(lambda: b.metric(watching) == 1, 10, "b subscribed again")
+        await async_wait_until(lambda: a.shared.up is True, 10, "a reconnected")
+        received = b.metric("smart_epp_shared_state_notices_total", direction="received")
+        a.datastore.book(PODS[0], 10, None)
+        await async_wait_until(
+            lambda: (
+                b.metric("smart_epp_shared_state_notices_total", direction="received") > received
+            ),
+            5,
+            "a's notice reaching b after the outage",
+        )
+    finally:
+        await a.shared.close()
+        await b.shared.close()
+
+
+async def test_a_changed_metrics_page_reaches_the_picker_that_does_not_fetch_it() -> None:
+    """One pod, two pickers sharing its scrapes, no heartbeat within the test and no
+    takeover of a quiet owner: a page that changes reaches the picker that does not fetch
+    it through the fetching picker's change notice."""
+    page = (VLLM_FIXTURES / "basic" / "metrics.during.txt").read_text()
+    waiting = 'vllm:num_requests_waiting{engine="0",model_name="tiny"} '
+    assert waiting + "0.0" in page
+    served = {"page": page}
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=served["page"], content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    store = LocalPoolStore()
+    pickers: list[tuple[SharedPoolState, MetricsScraper, Datastore, CollectorRegistry]] = []
+    for name in "ab":
+        datastore = Datastore()
+        datastore.set_endpoints([Endpoint(f"127.0.0.1:{port}")])
+        registry = CollectorRegistry()
+        shared = SharedPoolState(
+            store, datastore, picker_id=name, interval_s=NO_HEARTBEAT_S, notice_gap_s=0.01,
+            registry=registry,
+        )  # fmt: skip
+        scraper = MetricsScraper(datastore, interval_s=0.02, stale_after_s=NO_HEARTBEAT_S)
+        shared.share_scrapes(scraper)
+        pickers.append((shared, scraper, datastore, registry))
+    try:
+        for shared, scraper, _, _ in pickers:
+            shared.start()
+            await scraper.start()
+
+        def fetching() -> list[float]:
+            return [
+                registry.get_sample_value("smart_epp_shared_state_fetched_pods") or 0.0
+                for *_, registry in pickers
+            ]
+
+        await async_wait_until(lambda: sorted(fetching()) == [0.0, 1.0], 5, "one fetcher")
+        pods = [datastore.pods()[0] for _, _, datastore, _ in pickers]
+        served["page"] = page.replace(waiting + "0.0", waiting + "9.0")
+        await async_wait_until(
+            lambda: all(pod.metrics.waiting == 9 for pod in pods), 5, "both seeing the change"
+        )
+        assert sorted(fetching()) == [0.0, 1.0]  # the other never fetched it itself
+    finally:
+        for shared, scraper, _, _ in pickers:
+            await scraper.stop()
+            await shared.close()
+        await runner.cleanup()
