@@ -34,7 +34,6 @@ import multiprocessing
 import platform
 import random
 import resource
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -47,6 +46,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from smart_epp.epp.datastore import Datastore
+from smart_epp.epp.ports import free_port, port_open
+from smart_epp.epp.processes import stop_process
 from smart_epp.epp.shared_state.private_store import server_command
 from smart_epp.epp.shared_state.redis_store import RedisPoolStore
 from smart_epp.epp.shared_state.sync import DEFAULT_INTERVAL_S, PublishingIndex, SharedPoolState
@@ -193,12 +194,6 @@ async def _round(url: str, name: str, rate: float, seconds: float, seed: int) ->
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _median_of(rounds: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in rounds)
 
@@ -224,7 +219,7 @@ async def _run(url: str, rate: float, seconds: float, rounds: int) -> dict[str, 
 @contextlib.contextmanager
 def _valkey() -> Iterator[str]:
     """A Valkey server on a loopback port for the run; its URL."""
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="freshness-") as workdir:
         server = subprocess.Popen(
             server_command(workdir, port=port),
@@ -233,18 +228,13 @@ def _valkey() -> Iterator[str]:
         )
         try:
             deadline = time.monotonic() + 10
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), 0.1).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
+            while not port_open(port):
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError(f"Valkey did not start on port {port}")
+                time.sleep(0.05)
             yield f"redis://127.0.0.1:{port}/0"
         finally:
-            server.terminate()
-            server.wait(10)
+            stop_process(server, 10)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,38 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from itertools import count
 
-from aiohttp import web
-from support.net import free_port
-
 from smart_epp.framework.types import Api, Endpoint, Inflight, LLMRequest, PodMetrics, PodState
 
 _ids = count()
-
-
-class LocalHTTPServer:
-    """A real HTTP server on a free local port; subclasses add their routes in `routes`."""
-
-    def __init__(self) -> None:
-        self.port = free_port()
-        self._runner: web.AppRunner | None = None
-
-    def routes(self, app: web.Application) -> None:
-        raise NotImplementedError
-
-    async def start(self) -> None:
-        app = web.Application()
-        self.routes(app)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
 
 
 def pod(

@@ -8,7 +8,7 @@ import json
 import pytest
 from aiohttp import web
 from prometheus_client import REGISTRY
-from sched_helpers import LocalHTTPServer
+from support.http_server import LocalHTTPServer
 from support.net import async_wait_until
 from support.paths import VLLM_FIXTURES
 

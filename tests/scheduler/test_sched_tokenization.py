@@ -12,8 +12,9 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
-from sched_helpers import LocalHTTPServer, pod, request
+from sched_helpers import pod, request
 from support.hf_cache import hub_snapshot
+from support.http_server import LocalHTTPServer
 from support.paths import TINY_MODEL, VLLM_FIXTURES
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel

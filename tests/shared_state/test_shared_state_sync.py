@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from support.net import async_wait_until, free_port
+from support.http_server import LocalHTTPServer
+from support.net import async_wait_until
 from support.paths import VLLM_FIXTURES
 from support.redis_server import RedisServer, redis_server_fixture
 
@@ -355,6 +356,20 @@ async def test_notices_come_back_after_a_store_outage(redis_server: RedisServer)
         await b.shared.close()
 
 
+class MetricsPage(LocalHTTPServer):
+    """A pod's /metrics page, which the test rewrites."""
+
+    def __init__(self, page: str) -> None:
+        super().__init__()
+        self.page = page
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(text=self.page, content_type="text/plain")
+
+    def routes(self, app: web.Application) -> None:
+        app.router.add_get("/metrics", self._metrics)
+
+
 async def test_a_changed_metrics_page_reaches_the_picker_that_does_not_fetch_it() -> None:
     """One pod, two pickers sharing its scrapes, no heartbeat within the test and no
     takeover of a quiet owner: a page that changes reaches the picker that does not fetch
@@ -362,22 +377,13 @@ async def test_a_changed_metrics_page_reaches_the_picker_that_does_not_fetch_it(
     page = (VLLM_FIXTURES / "basic" / "metrics.during.txt").read_text()
     waiting = 'vllm:num_requests_waiting{engine="0",model_name="tiny"} '
     assert waiting + "0.0" in page
-    served = {"page": page}
-
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(text=served["page"], content_type="text/plain")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    server = MetricsPage(page)
+    await server.start()
     store = LocalPoolStore()
     pickers: list[tuple[SharedPoolState, MetricsScraper, Datastore, CollectorRegistry]] = []
     for name in "ab":
         datastore = Datastore()
-        datastore.set_endpoints([Endpoint(f"127.0.0.1:{port}")])
+        datastore.set_endpoints([Endpoint(server.address)])
         registry = CollectorRegistry()
         shared = SharedPoolState(
             store, datastore, picker_id=name, interval_s=NO_HEARTBEAT_S, notice_gap_s=0.01,
@@ -399,7 +405,7 @@ async def test_a_changed_metrics_page_reaches_the_picker_that_does_not_fetch_it(
 
         await async_wait_until(lambda: sorted(fetching()) == [0.0, 1.0], 5, "one fetcher")
         pods = [datastore.pods()[0] for _, _, datastore, _ in pickers]
-        served["page"] = page.replace(waiting + "0.0", waiting + "9.0")
+        server.page = page.replace(waiting + "0.0", waiting + "9.0")
         await async_wait_until(
             lambda: all(pod.metrics.waiting == 9 for pod in pods), 5, "both seeing the change"
         )
@@ -408,4 +414,4 @@ async def test_a_changed_metrics_page_reaches_the_picker_that_does_not_fetch_it(
         for shared, scraper, _, _ in pickers:
             await scraper.stop()
             await shared.close()
-        await runner.cleanup()
+        await server.stop()
