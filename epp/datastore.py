@@ -31,7 +31,9 @@ class Datastore:
         self._pods: dict[str, PodState] = {}
         self._listeners: list[tuple[EndpointListener, EndpointListener]] = []
         # Called after this picker's own in-flight load changed (book, prefilled, release).
-        self.on_change: Callable[[str], None] | None = None
+        # (pod, added): added is true when the pod got new work (a booking), false when
+        # work left it (a first byte, a release).
+        self.on_change: Callable[[str, bool], None] | None = None
 
     # ------------------------------------------------------------ membership
 
@@ -131,7 +133,7 @@ class Datastore:
         if adapter:
             inflight.adapters[adapter] += 1
         if self.on_change is not None:
-            self.on_change(address)
+            self.on_change(address, True)
         return True
 
     def prefilled(self, address: str, prompt_tokens: int) -> None:
@@ -143,7 +145,7 @@ class Datastore:
         inflight.prefilling = max(0, inflight.prefilling - 1)
         inflight.prefilling_tokens = max(0, inflight.prefilling_tokens - prompt_tokens)
         if self.on_change is not None:
-            self.on_change(address)
+            self.on_change(address, False)
 
     def release(
         self, address: str, prompt_tokens: int, adapter: str | None, prefilling: bool = False
@@ -166,7 +168,7 @@ class Datastore:
             else:
                 del inflight.adapters[adapter]
         if self.on_change is not None:
-            self.on_change(address)
+            self.on_change(address, False)
 
     # ------------------------------------------------------------ shared with peers
 

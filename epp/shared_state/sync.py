@@ -5,20 +5,24 @@ The decision path never waits for the store. It books in-flight load and writes
 speculative index entries locally, as a picker alone does; each such change wakes a
 background loop that exchanges this picker's changes for its peers' state in one round
 trip (changes made while an exchange is in flight ride the next one, so there is at
-most one write per decision and usually fewer). An exchange that wrote loads or routed
-prefixes sends the other pickers a change notice, and a notice wakes their loops to read
-it: a lone decision reaches the other pickers about two round trips after it was made.
-A /metrics page this picker fetched for the pool that differs from the pod's last one is
-news too (`scrapes.ScrapeSharing.on_news`); an idle pool sends none.
+most one write per decision and usually fewer). An exchange that added work (a booking)
+or routed prefixes sends the other pickers a change notice, and a notice wakes their
+loops to read it: a lone decision reaches the other pickers about two round trips after
+it was made. A /metrics page this picker fetched for the pool that differs from the pod's
+last one is news too (`scrapes.ScrapeSharing.on_news`); an idle pool sends none.
+Work leaving a pod (a first byte, a release) neither wakes the loop nor sends a notice:
+it rides the next exchange, at most `interval_s` later. A peer that has not seen it yet
+counts a request more on that pod for that long, which costs a placement little, while
+announcing it would double or triple the exchanges every request causes on every peer.
 Both ends are paced (`Pacer`): a picker sends, and reads for its peers' notices, at most
 one time per `notice_gap_s` on average, with bursts of `NOTICE_BURST` at once. A quiet
-pool's few changes (one request's booking, first byte and release) thus go out and are
-read at once; in a busy pool a change waits for the pace (a change made meanwhile is
-announced when its turn comes), so a peer's state is at most about a gap (and a round
-trip) old and costs at most one exchange per gap. Without changes or notices the loop
-still exchanges every `interval_s`: the heartbeat that keeps this picker's entry alive
-and brings in what sends no notice (unchanged scrapes, learned answers), and the
-fallback while the notices' connection is down.
+pool's few notices (a request's booking, a changed scrape) thus go out and are read at
+once; in a busy pool a change waits for the pace (a change made meanwhile is announced
+when its turn comes), so a peer's state is at most about a gap (and a round trip) old
+and costs at most one exchange per gap. Without changes or notices the loop still
+exchanges every `interval_s`: the heartbeat that keeps this picker's entry alive, writes
+the work that left, brings in what sends no notice (unchanged scrapes, learned answers),
+and is the fallback while the notices' connection is down.
 
 Peers' loads are folded into the datastore's per-pod in-flight counts; their routed
 prefixes go into the local block index as speculative entries with what is left of
@@ -62,8 +66,8 @@ DEFAULT_INTERVAL_S = 0.1
 # reads them, as with the 20 ms polling notices replaced, and a picker makes at most 50
 # notice-driven exchanges a second (README, "Measured": shared_state_freshness) ...
 DEFAULT_NOTICE_GAP_S = 0.02
-# ... after a burst of this many at once: a request's booking, first byte and release,
-# and a changed scrape, are announced and read without waiting.
+# ... after a burst of this many at once: a few requests' bookings, and a changed scrape,
+# are announced and read without waiting.
 NOTICE_BURST = 4
 # Off by default (inf): decisions use what the background sync brought in. A finite
 # value makes a decision read the store first unless an exchange started this recently,
@@ -145,8 +149,8 @@ class SharedStateMetrics:
         )
         self.notices = Counter(
             "smart_epp_shared_state_notices_total",
-            "Change notices: sent by this picker's exchanges (it wrote loads or routed "
-            "prefixes), or received from its peers (each wakes an exchange)",
+            "Change notices: sent by this picker's exchanges (it booked requests or "
+            "routed prefixes), or received from its peers (each wakes an exchange)",
             ["direction"],
             registry=registry,
         )
@@ -265,6 +269,7 @@ class SharedPoolState:
         self.outages = 0
         self.exchanges = 0
         self._changed: set[str] = set()
+        self._added = False  # a booking since the last exchange: its notice is news
         self._published: dict[str, PodLoad] = {}
         self._replace = True
         # (monotonic time recorded, entry)
@@ -311,9 +316,13 @@ class SharedPoolState:
 
     # ------------------------------------------------------------------ decision path
 
-    def _load_changed(self, address: str) -> None:
+    def _load_changed(self, address: str, added: bool) -> None:
         self._changed.add(address)
-        self._wake.set()
+        if added:
+            self._added = True
+            self._wake.set()
+        elif not self.notices:
+            self._wake.set()  # polling peers read the store as it is: keep it current
 
     async def refresh(self) -> None:
         """Before a decision: makes the peers' state at most `max_staleness_s` old, by
@@ -438,8 +447,9 @@ class SharedPoolState:
         for learner in self._learners().values():
             self._learned_outbox.extend(learner.take_learned())
         notify = False
-        news = loads or routed or self._replace or self._owe_notice or self._new_scrape
+        news = self._added or routed or self._replace or self._owe_notice or self._new_scrape
         self._new_scrape = False
+        self._added = False
         if self.notices and news:
             wait = self._sending.wait(now)
             notify = wait == 0.0

@@ -295,8 +295,13 @@ async def test_a_peers_decision_reaches_a_picker_through_its_notice_not_its_hear
     assert b.metric("smart_epp_shared_state_notices_total", direction="received") >= 1
     # b changed nothing, so it sent no notice, and a read nothing new of b's.
     assert b.metric("smart_epp_shared_state_notices_total", direction="sent") <= 1  # first
+    # Work leaving a pod wakes no exchange and sends no notice: it rides a's next one.
+    sent = a.metric("smart_epp_shared_state_notices_total", direction="sent")
     a.datastore.release(PODS[1], 300, None, prefilling=True)
+    assert not a.shared._wake.is_set()  # the release woke nothing
+    a.datastore.book(PODS[0], 100, None)
     await async_wait_until(lambda: seen.inflight.peer_requests == 0, 5, "b seeing the release")
+    assert a.metric("smart_epp_shared_state_notices_total", direction="sent") == sent + 1
 
 
 async def test_a_burst_of_changes_is_announced_and_read_at_most_once_per_gap(
