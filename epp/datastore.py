@@ -30,9 +30,8 @@ class Datastore:
     def __init__(self) -> None:
         self._pods: dict[str, PodState] = {}
         self._listeners: list[tuple[EndpointListener, EndpointListener]] = []
-        # Called after this picker's own in-flight load changed (book, prefilled, release).
-        # (pod, added): added is true when the pod got new work (a booking), false when
-        # work left it (a first byte, a release).
+        # Called after this picker's own in-flight load changed, with (pod, added): added
+        # when the pod got new work (`book`), not when work left it (`prefilled`, `release`).
         self.on_change: Callable[[str, bool], None] | None = None
 
     # ------------------------------------------------------------ membership

@@ -19,7 +19,7 @@ one time per `notice_gap_s` on average, with bursts of `NOTICE_BURST` at once. A
 pool's few notices (a request's booking, a changed scrape) thus go out and are read at
 once; in a busy pool a change waits for the pace (a change made meanwhile is announced
 when its turn comes), so a peer's state is at most about a gap (and a round trip) old
-and costs at most one exchange per gap. Without changes or notices the loop still
+and costs at most one exchange per gap. Without bookings or notices the loop still
 exchanges every `interval_s`: the heartbeat that keeps this picker's entry alive, writes
 the work that left, brings in what sends no notice (unchanged scrapes, learned answers),
 and is the fallback while the notices' connection is down.
