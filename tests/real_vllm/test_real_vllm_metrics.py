@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -82,45 +84,74 @@ def test_lora_info_names_max_loras_and_the_adapters_used(pod_b: VllmPod, pod_a: 
     assert "lora-b" in seen
 
 
-def poll_parsed_until(pod: VllmPod, done: Callable[[PodMetrics], bool]) -> PodMetrics:
+def poll_parsed_until(
+    pod: VllmPod, done: Callable[[PodMetrics], bool], give_up: Callable[[], bool] = lambda: False
+) -> PodMetrics | None:
+    """The first parsed page that satisfies `done`; None once `give_up` holds first."""
     seen: list[PodMetrics] = []
 
     def check() -> bool:
         seen.append(parse_vllm_metrics(pod.get_text("/metrics")))
-        return done(seen[-1])
+        return done(seen[-1]) or give_up()
 
     wait_until(check, timeout=60, what=f"{pod.url}/metrics to show the load")
-    return seen[-1]
+    return seen[-1] if done(seen[-1]) else None
+
+
+def all_done(futures: list[Future[Any]]) -> bool:
+    return all(f.done() for f in futures)
+
+
+def page_while_running(
+    pod: VllmPod, batch: Callable[[int], list[dict[str, Any]]], shows: Callable[[PodMetrics], bool]
+) -> tuple[PodMetrics, int]:
+    """A parsed page on which `shows` holds while a batch runs, and the prompt tokens sent.
+
+    A page shows a request only while it runs; on a busy host a whole batch can finish
+    between two scrapes, so a batch that did is followed by a fresh one (three at most).
+    """
+    prompt_tokens = 0
+    for attempt in range(3):
+        bodies = batch(attempt)
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            sent = [pool.submit(pod.post_json, "/v1/completions", b) for b in bodies]
+            finished = partial(all_done, sent)
+            page = poll_parsed_until(pod, shows, give_up=finished)
+            prompt_tokens += sum(f.result()["usage"]["prompt_tokens"] for f in sent)
+        if page is not None:
+            return page, prompt_tokens
+    raise AssertionError(f"three batches finished without a page of {pod.url}/metrics showing them")
 
 
 def test_gateway_parser_reads_real_load_kv_usage_and_cache_config(pod_a: VllmPod) -> None:
     idle = parse_vllm_metrics(pod_a.get_text("/metrics"))
     assert (idle.block_size, idle.num_gpu_blocks) == (BLOCK_SIZE, pod_a.config.num_gpu_blocks)
-    bodies = [
-        completion_body(unique_prompt(f"load{i}", words=150), max_tokens=300) for i in range(3)
-    ]
-    with ThreadPoolExecutor(len(bodies)) as pool:
-        sent = [pool.submit(pod_a.post_json, "/v1/completions", b) for b in bodies]
-        busy = poll_parsed_until(pod_a, lambda m: m.running + m.waiting >= 2 and m.kv_usage > 0)
-        for future in sent:
-            future.result()
+    busy, prompt_tokens = page_while_running(
+        pod_a,
+        lambda attempt: [
+            completion_body(unique_prompt(f"load{attempt}.{i}", words=150), max_tokens=600)
+            for i in range(3)
+        ],
+        lambda m: m.running + m.waiting >= 2 and m.kv_usage > 0,
+    )
     assert busy.kv_usage <= 1.0
     after = poll_parsed_until(pod_a, lambda m: m.running + m.waiting == 0)
-    assert after.prefix_cache_queries >= idle.prefix_cache_queries + sum(
-        f.result()["usage"]["prompt_tokens"] for f in sent
-    )
+    assert after is not None
+    assert after.prefix_cache_queries >= idle.prefix_cache_queries + prompt_tokens
 
 
 def test_gateway_parser_reads_the_running_adapter(pod_b: VllmPod) -> None:
-    body = {
-        **completion_body(unique_prompt("adapter", words=100), max_tokens=300),
-        "model": "lora-a",
-    }
-    with ThreadPoolExecutor(1) as pool:
-        sent = pool.submit(pod_b.post_json, "/v1/completions", body)
-        # vLLM refreshes lora_requests_info and num_requests_running at different moments
-        # (on a busy machine a page can show the adapter running and 0 requests): wait
-        # for a page on which the request shows in both.
-        busy = poll_parsed_until(pod_b, lambda m: "lora-a" in m.running_adapters and m.running >= 1)
-        sent.result()
+    # vLLM refreshes lora_requests_info and num_requests_running at different moments
+    # (on a busy machine a page can show the adapter running and 0 requests): wait
+    # for a page on which the request shows in both.
+    busy, _ = page_while_running(
+        pod_b,
+        lambda attempt: [
+            {
+                **completion_body(unique_prompt(f"adapter{attempt}", words=100), max_tokens=300),
+                "model": "lora-a",
+            }
+        ],
+        lambda m: "lora-a" in m.running_adapters and m.running >= 1,
+    )
     assert busy.max_loras == 1
