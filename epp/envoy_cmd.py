@@ -57,8 +57,11 @@ class EnvoyOptions:
     bypass_backend: str | None = None
     message_timeout_s: float = 30.0
     epp_health_interval_s: float = 1.0
-    # Concurrent ext_proc streams to epp, i.e. requests in flight through the gateway.
+    # Concurrent ext_proc streams to epp: on the ext-proc response path, requests in
+    # flight through the gateway; on the access-log path, requests still being routed.
     epp_max_streams: int = 100_000
+    # Concurrent requests (and connections) to the pool's pods, whatever the response path.
+    pool_max_requests: int = 100_000
     # TLS to the picker (its default); without a CA the picker's certificate is not
     # verified (the picker's self-signed default); with one, it must chain to it and name
     # epp_server_name (default: epp_host).
@@ -156,6 +159,7 @@ def render_envoy_config(options: EnvoyOptions) -> str:
         message_timeout_s=options.message_timeout_s,
         epp_health_interval_s=options.epp_health_interval_s,
         epp_max_streams=options.epp_max_streams,
+        pool_max_requests=options.pool_max_requests,
         pool_endpoints=pool,
         allowed_paths=paths,
         retries=options.retries,

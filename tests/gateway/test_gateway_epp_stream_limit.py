@@ -20,10 +20,14 @@ pytestmark = pytest.mark.envoy
 ENVOY_DEFAULT_MAX_REQUESTS = 1024
 
 
-def epp_thresholds(options: EnvoyOptions) -> dict[str, int]:
+def thresholds_of(cluster: str, options: EnvoyOptions) -> dict[str, int]:
     config = yaml.safe_load(render_envoy_config(options))
-    epp = next(c for c in config["static_resources"]["clusters"] if c["name"] == "epp")
-    return epp["circuit_breakers"]["thresholds"][0]
+    found = next(c for c in config["static_resources"]["clusters"] if c["name"] == cluster)
+    return found["circuit_breakers"]["thresholds"][0]
+
+
+def epp_thresholds(options: EnvoyOptions) -> dict[str, int]:
+    return thresholds_of("epp", options)
 
 
 def test_default_stream_cap_is_far_above_envoys_default() -> None:
@@ -31,6 +35,15 @@ def test_default_stream_cap_is_far_above_envoys_default() -> None:
     assert thresholds["max_requests"] >= 50 * ENVOY_DEFAULT_MAX_REQUESTS
     assert thresholds["max_pending_requests"] == thresholds["max_requests"]
     assert epp_thresholds(EnvoyOptions(epp_max_streams=7))["max_requests"] == 7
+
+
+def test_the_pools_request_limit_is_not_the_pickers_stream_cap() -> None:
+    # On the access-log path a stream ends once its request is routed: capping streams
+    # must not cap the requests the pods may answer at once.
+    pool = thresholds_of("inference_pool", EnvoyOptions(epp_max_streams=7))
+    assert pool["max_requests"] == pool["max_connections"] >= 50 * ENVOY_DEFAULT_MAX_REQUESTS
+    limited = thresholds_of("inference_pool", EnvoyOptions(pool_max_requests=9))
+    assert limited["max_requests"] == limited["max_pending_requests"] == 9
 
 
 async def test_the_stream_cap_governs_concurrent_requests() -> None:
@@ -60,9 +73,9 @@ async def test_the_stream_cap_governs_concurrent_requests() -> None:
 async def test_responses_hold_no_stream_on_the_access_log_path() -> None:
     async with gateway("full-duplex", backends=1, epp_max_streams=2) as gw:
         url = f"{gw.url}/v1/completions"
-        slow = {"x-sse-delay-ms": "300"}
+        held = {"x-sse-hold": "1"}
         body = {"model": "tiny", "prompt": "hold", "stream": True}
-        responses = [await gw.http.post(url, json=body, headers=slow) for _ in range(3)]
+        responses = [await gw.http.post(url, json=body, headers=held) for _ in range(3)]
         for response in responses:
             assert response.status == 200
             await response.content.readline()  # every response is streaming
@@ -70,6 +83,7 @@ async def test_responses_hold_no_stream_on_the_access_log_path() -> None:
         await async_wait_until(lambda: gw.server.active_streams == 0, what="streams closed")
         pod = gw.datastore.get(gw.backends[0].address)
         assert pod is not None and pod.inflight.requests == 3
+        gw.backends[0].held_streams_go.set()
         for response in responses:
             assert (await response.read()).endswith(b"data: [DONE]\n\n")
             response.release()

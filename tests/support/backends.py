@@ -53,6 +53,9 @@ class EchoBackend:
     host: str = "127.0.0.1"
     port: int = 0
     received: list[Received] = field(default_factory=list)
+    # Streams sent with `x-sse-hold: 1` pause after their first chunk until this is set:
+    # a test holds responses open for as long as it needs, whatever the host's speed.
+    held_streams_go: asyncio.Event = field(default_factory=asyncio.Event)
     _runner: web.AppRunner | None = None
 
     @property
@@ -136,9 +139,12 @@ class EchoBackend:
         if first_token:
             await asyncio.sleep(first_token)
         delay = float(request.headers.get("x-sse-delay-ms", "0")) / 1000
+        hold = request.headers.get("x-sse-hold") == "1"
         for i in range(SSE_CHUNKS):
             chunk = {**answer, "choices": [{"index": 0, "text": f"t{i}"}], "usage": None}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if hold and i == 0:
+                await self.held_streams_go.wait()
             if delay:
                 await asyncio.sleep(delay)
         final = {**answer, "choices": [], "usage": usage_for(size)}
