@@ -261,10 +261,13 @@ class RedisPoolStore:
         # Read in this same call, from the store as it is now: valid either way.
         self._learned_cursor = learned_cursor_raw.decode()
         self._epoch = epoch
-        for flat in loads_raw:
+        for peer_raw, flat in zip(ids_raw, loads_raw, strict=True):
+            peer = peer_raw.decode()
             for pod_raw, value in zip(flat[::2], flat[1::2], strict=True):
                 pod = pod_raw.decode()
-                view.loads[pod] = view.loads.get(pod, PodLoad()) + PodLoad.decode(value)
+                load = PodLoad.decode(value)
+                view.loads[pod] = view.loads.get(pod, PodLoad()) + load
+                view.routed_prefill_s[peer, pod] = load.routed_prefill_s
         unpack = RoutedEntry.unpack_keys
         view.routed = [
             RoutedEntry(pod.decode(), unpack(packed), left_ms / 1000)

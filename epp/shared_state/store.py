@@ -203,6 +203,9 @@ class PeerView:
     """What the other live pickers hold, as of one exchange."""
 
     loads: dict[str, PodLoad] = field(default_factory=dict)  # per pod, summed over peers
+    # Each peer's own routed-prefill counter per pod, (peer, pod) -> seconds: a rate read
+    # from the sum would jump by a peer's whole count when that peer (re)joins the sum.
+    routed_prefill_s: dict[tuple[str, str], float] = field(default_factory=dict)
     routed: list[RoutedEntry] = field(default_factory=list)  # new since the last exchange
     learned: list[LearnedSample] = field(default_factory=list)  # the others', new since
     malformed_learned: int = 0  # batches that did not decode, dropped
@@ -334,6 +337,7 @@ class LocalPoolStore:
                 continue
             for pod, load in held.items():
                 view.loads[pod] = view.loads.get(pod, PodLoad()) + load
+                view.routed_prefill_s[picker, pod] = load.routed_prefill_s
         cursor = self._cursors.get(me, 0)
         for seq, picker, entry, until in self._routed:
             if seq <= cursor:

@@ -47,8 +47,8 @@ import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -198,23 +198,27 @@ class Pacer:
         self._tokens -= 1.0
 
 
-class CounterRates:
-    """Rates of counters read at each exchange (per pod: the peers' summed routed
-    prefill seconds), over the last `window_s`."""
+K = TypeVar("K", bound=Hashable)
+
+
+class CounterRates(Generic[K]):
+    """Rates of counters read at each exchange (per peer and pod: the peer's routed
+    prefill seconds), over the last `window_s`. A counter seen for the first time has
+    rate 0 until a second reading: a peer that joins (or writes again after a store
+    outage) brings its whole count, which is no rate."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
-        self._samples: dict[str, deque[tuple[float, float]]] = {}
+        self._samples: dict[K, deque[tuple[float, float]]] = {}
 
-    def update(self, now: float, totals: Mapping[str, float]) -> dict[str, float]:
+    def update(self, now: float, totals: Mapping[K, float]) -> dict[K, float]:
         for key in self._samples.keys() - totals.keys():
             del self._samples[key]
-        rates: dict[str, float] = {}
+        rates: dict[K, float] = {}
         for key, total in totals.items():
             samples = self._samples.setdefault(key, deque())
             if samples and total < samples[-1][1]:
-                # A peer left or restarted and its counter left the sum: start over.
-                samples.clear()
+                samples.clear()  # the counter restarted
             samples.append((now, total))
             while len(samples) > 1 and samples[1][0] <= now - self.window_s:
                 samples.popleft()
@@ -222,6 +226,14 @@ class CounterRates:
             # Over at least a whole window: a first sample moments old gives no spike.
             rates[key] = (total - base) / max(now - since, self.window_s)
         return rates
+
+
+def per_pod(rates: Mapping[tuple[str, str], float]) -> dict[str, float]:
+    """(peer, pod) rates summed per pod."""
+    summed: dict[str, float] = {}
+    for (_, pod), rate in rates.items():
+        summed[pod] = summed.get(pod, 0.0) + rate
+    return summed
 
 
 class SharedPoolState:
@@ -278,7 +290,7 @@ class SharedPoolState:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._peer_pods: set[str] = set()
-        self._peer_prefill = CounterRates(PEER_RATE_WINDOW_S)
+        self._peer_prefill: CounterRates[tuple[str, str]] = CounterRates(PEER_RATE_WINDOW_S)
         self._plugins: Callable[[], Iterable[object]] = tuple
         self._learned_outbox: deque[LearnedSample] = deque(maxlen=MAX_LEARNED_OUTBOX)
         self.scrape_sharing: ScrapeSharing | None = None
@@ -527,9 +539,7 @@ class SharedPoolState:
         return True
 
     def _apply(self, view: PeerView) -> None:
-        prefill_rates = self._peer_prefill.update(
-            time.monotonic(), {pod: load.routed_prefill_s for pod, load in view.loads.items()}
-        )
+        prefill_rates = per_pod(self._peer_prefill.update(time.monotonic(), view.routed_prefill_s))
         self.datastore.set_peer_loads(
             {
                 pod: (
@@ -537,7 +547,7 @@ class SharedPoolState:
                     load.prompt_tokens,
                     load.prefilling,
                     load.prefilling_tokens,
-                    prefill_rates[pod],
+                    prefill_rates.get(pod, 0.0),
                 )
                 for pod, load in view.loads.items()
             }
@@ -633,4 +643,11 @@ class PublishingIndex:
         return getattr(self.inner, name)
 
 
-__all__ = ["PublishingIndex", "SharedPoolState", "SharedStateMetrics", "new_picker_id"]
+__all__ = [
+    "CounterRates",
+    "PublishingIndex",
+    "SharedPoolState",
+    "SharedStateMetrics",
+    "new_picker_id",
+    "per_pod",
+]

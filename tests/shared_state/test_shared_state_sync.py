@@ -28,6 +28,7 @@ from smart_epp.epp.shared_state.sync import (
     Pacer,
     PublishingIndex,
     SharedPoolState,
+    per_pod,
 )
 from smart_epp.framework.types import Endpoint
 from smart_epp.kv_index.memory import MemoryBlockIndex
@@ -120,6 +121,38 @@ async def test_prefill_one_picker_routes_reaches_the_other_as_a_rate(
     await async_wait_until(lambda: seen.inflight.peer_prefill_rate == 0.0, 5, "rate decays")
 
 
+async def test_a_peer_joining_with_its_whole_count_brings_no_rate() -> None:
+    # A picker that (re)joins the store, as every picker does once an emptied store is
+    # back, writes its whole routed-prefill count at once: that is history, not a rate.
+    store = LocalPoolStore()
+    a, reader = make_picker(store, "a"), make_picker(store, "reader")
+    late = make_picker(store, "late")
+    seen = reader.datastore.get(PODS[0])
+    assert seen is not None
+    a.datastore.book(PODS[0], 100, None, prefill_s=5.0)
+    late.datastore.book(PODS[0], 100, None, prefill_s=7.0)
+    a.shared.start()
+    reader.shared.start()
+    try:
+        await async_wait_until(lambda: seen.inflight.peer_requests == 1, 5, "reader seeing a")
+        late.shared.start()
+        await async_wait_until(lambda: seen.inflight.peer_requests == 2, 5, "reader seeing late")
+        assert seen.inflight.peer_prefill_rate == 0.0
+        a.datastore.book(PODS[0], 100, None, prefill_s=0.5)
+        await async_wait_until(lambda: seen.inflight.peer_requests == 3, 5, "a's new booking")
+        assert 0.3 < seen.inflight.peer_prefill_rate <= 0.5 + 1e-9  # only what is new
+    finally:
+        for picker in (a, reader, late):
+            await picker.shared.close()
+
+
+def test_counter_rates_are_summed_per_pod_over_peers() -> None:
+    rates: CounterRates[tuple[str, str]] = CounterRates(window_s=1.0)
+    rates.update(0.0, {("a", "p"): 10.0, ("a", "q"): 1.0})
+    read = rates.update(1.0, {("a", "p"): 11.0, ("a", "q"): 1.0, ("b", "p"): 40.0})
+    assert per_pod(read) == {"p": pytest.approx(1.0), "q": 0.0}
+
+
 async def test_what_one_picker_learns_of_the_pods_the_other_learns_too(
     local_pickers: tuple[Picker, Picker],
 ) -> None:
@@ -168,7 +201,7 @@ def test_counter_rates_read_a_window_and_restart_when_a_counter_shrinks() -> Non
     assert rates.update(0.5, {"p": 10.5}) == {"p": pytest.approx(0.5)}  # over a whole window
     assert rates.update(2.0, {"p": 12.5}) == {"p": pytest.approx(2.0 / 1.5)}
     assert rates.update(3.0, {"p": 14.5}) == {"p": pytest.approx(2.0)}
-    assert rates.update(3.5, {"p": 1.0}) == {"p": 0.0}  # a peer left: its count went
+    assert rates.update(3.5, {"p": 1.0}) == {"p": 0.0}  # the counter restarted
     assert rates.update(4.0, {}) == {}
     assert rates.update(4.5, {"p": 3.0}) == {"p": 0.0}  # forgotten while absent
 
