@@ -62,6 +62,10 @@ class PolicySummary:
     # Median factor between predicted and measured TTFT (exp of the median |log ratio|:
     # 1.25 = typically 25% off either way), for policies that predict TTFT; else None.
     ttft_prediction_factor: float | None = None
+    # Output tokens/s from the first arrival to the last (None with fewer than two
+    # arrivals). `output_tok_per_s` runs to the last completion, so when the arrivals end
+    # long before the longest answers do, it measures how the last few decodes went.
+    output_tok_per_s_while_arriving: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {k: _round(v) for k, v in asdict(self).items()}
@@ -119,7 +123,33 @@ def summarize(results: Sequence[RequestResult], pods: Sequence[str]) -> PolicySu
         rejected=len(rejected),
         rejected_reasons=dict(sorted(reasons.items())),
         ttft_prediction_factor=(math.exp(statistics.median(log_errors)) if log_errors else None),
+        output_tok_per_s_while_arriving=tokens_per_s_while_arriving(results),
     )
+
+
+def tokens_out_by(r: RequestResult, t: float) -> float:
+    """Output tokens `r` had delivered by time `t`: its first at its TTFT, the rest spread
+    evenly up to its completion (a result holds no per-token times, so this is an
+    interpolation, not a count)."""
+    if not r.ok or r.ttft_s is None or r.e2e_s is None or r.output_tokens < 1:
+        return 0.0
+    first = r.arrival_s + r.ttft_s
+    if t < first:
+        return 0.0
+    last = r.arrival_s + r.e2e_s
+    if t >= last or r.output_tokens == 1:
+        return float(r.output_tokens)
+    return 1.0 + (r.output_tokens - 1) * (t - first) / (last - first)
+
+
+def tokens_per_s_while_arriving(results: Sequence[RequestResult]) -> float | None:
+    if len(results) < 2:
+        return None
+    start = min(r.arrival_s for r in results)
+    end = max(r.arrival_s for r in results)
+    if end <= start:
+        return None
+    return sum(tokens_out_by(r, end) for r in results) / (end - start)
 
 
 def stage_summaries(

@@ -34,6 +34,7 @@ SUMMARY_KEYS = {
     "rejected",
     "rejected_reasons",
     "ttft_prediction_factor",
+    "output_tok_per_s_while_arriving",
 }
 
 
