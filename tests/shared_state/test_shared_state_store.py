@@ -74,6 +74,17 @@ async def test_peers_see_each_others_loads_not_their_own(stores: StoreFactory) -
     assert view_b.loads == {"pod2": PodLoad(1, 5, 0, 0)}
 
 
+async def test_each_peers_prefill_counter_comes_apart_from_the_sum(
+    stores: StoreFactory,
+) -> None:
+    a, b, c = stores(), stores(), stores()
+    await a.exchange(PickerUpdate("a", {"pod1": PodLoad(1, 10, 1, 10, 4.5)}, replace=True))
+    await b.exchange(PickerUpdate("b", {"pod1": PodLoad(2, 20, 0, 0, 1.25)}, replace=True))
+    view = await c.exchange(PickerUpdate("c", {}, replace=True))
+    assert view.loads["pod1"].routed_prefill_s == pytest.approx(5.75)
+    assert view.routed_prefill_s == {("a", "pod1"): 4.5, ("b", "pod1"): 1.25}
+
+
 async def test_routed_entries_reach_every_other_picker_once(stores: StoreFactory) -> None:
     a, b, c = stores(), stores(), stores()
     for store, name in ((a, "a"), (b, "b"), (c, "c")):
