@@ -75,7 +75,10 @@ async def test_responses_hold_no_stream_on_the_access_log_path() -> None:
         url = f"{gw.url}/v1/completions"
         held = {"x-sse-hold": "1"}
         body = {"model": "tiny", "prompt": "hold", "stream": True}
-        responses = [await gw.http.post(url, json=body, headers=held) for _ in range(3)]
+        # Each answer starts while the others are held: one that cannot (a limit that
+        # queues it) fails here rather than at aiohttp's five-minute timeout.
+        async with asyncio.timeout(30):
+            responses = [await gw.http.post(url, json=body, headers=held) for _ in range(3)]
         for response in responses:
             assert response.status == 200
             await response.content.readline()  # every response is streaming
