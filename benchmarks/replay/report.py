@@ -143,7 +143,7 @@ def tokens_out_by(r: RequestResult, t: float) -> float:
 
 
 def tokens_per_s_while_arriving(results: Sequence[RequestResult]) -> float | None:
-    if len(results) < 2:
+    if not results:
         return None
     start = min(r.arrival_s for r in results)
     end = max(r.arrival_s for r in results)
