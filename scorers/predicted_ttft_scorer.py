@@ -27,7 +27,8 @@ present, else from the index's prediction. Requests that waited for an adapter l
 for KV space are not learned from: those waits are separate terms.
 
 Ranking: cost = ttft + `congestionWeight` x (queued requests x own prefill time
-                                           + rho / (1 - rho) x duplicated prefill time).
+                                           + rho / (1 - rho) x duplicated prefill time)
+                    + `decodeStallWeight` x running requests x own prefill time.
 The first term is the prefill time this placement adds to the pod, valued at the requests
 it delays: those that will queue behind it there, about as many as are queued now. On an
 idle pod it is nothing and the request goes wherever it is answered first (its cached
@@ -41,7 +42,12 @@ rho delays the requests after it by about rho / (1 - rho) times its length (an M
 queue's wait per unit of work). rho is the predicted prefill of what this gateway (and,
 with shared pool state, the other pickers) routed in the last second, per candidate pod,
 capped at 0.95. An idle pool pays nothing for it; a saturated one follows its prefixes.
-Other terms were measured and rejected (README,
+The third term is the decode stall: vLLM schedules prefill chunks in the same steps as
+the running requests' decodes, so each of those waits the placement's prefill time for
+its next token. Weighted at a tenth of a second of TTFT per stalled second (a chosen rate
+of exchange, measured both ways in the README), it sends prompts that nothing holds to
+pods decoding fewer requests, so decode batches stay even, while a cached prefix (little
+prefill, little stall) still wins. Other terms were measured and rejected (README,
 "Routing policies").
 
 vLLM always computes the prompt's last token, so a pod reuses at most
@@ -127,6 +133,15 @@ class PredictedTTFTParams(PluginParams):
     # Weight of the prefill time a placement adds to the pool, per request queued in it
     # (0: rank by the request's own TTFT alone).
     congestionWeight: float = Field(default=1.0, ge=0)
+    # Weight of the decode steps a placement's prefill stalls, per request decoding on the
+    # pod: vLLM runs prefill chunks in the same steps as the batch's decodes, so each of
+    # them waits the prefill's time for its next token. A rate of exchange between a
+    # second of that stall and a second of TTFT, not a measured constant: 0 ranks for
+    # TTFT alone (big decode batches pile up where prefixes are), 1 for the sum of
+    # end-to-end latencies (measured to cost TTFT p90). 0.1 was chosen on the seed-0
+    # policy grids from {0, 0.05, 0.1, 0.15, 0.25, 1} and checked on held-out seeds
+    # (README, "Routing policies").
+    decodeStallWeight: float = Field(default=0.1, ge=0)
     # Prompt prefixes this gateway routed count as held by that pod until answered (at
     # most this long), so requests sharing a prefix follow it even when it waits in a
     # queue longer than the KV index's own speculative entries last (0: off, the
@@ -381,6 +396,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         ttfts: list[float] = []
         own_s: list[float] = []
         queued_list: list[float] = []
+        running_list: list[float] = []
         hit_list: list[float] = []
         own_list: list[tuple[float, float, float]] = []
         ahead_list: list[tuple[float, float, float]] = []
@@ -492,6 +508,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             ttfts.append(ttft)
             own_s.append(prefill_s + cpu_s)
             queued_list.append(float(queued))
+            running_list.append(running)
             hit_list.append(hit_tokens)
             own_list.append((uncached, pairs, prefill_s))
             ahead_list.append((tokens_ahead, pairs_ahead, running))
@@ -508,9 +525,16 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                     queued=float(queued),
                 )
         # The prefill a placement adds delays the requests that queue behind it there:
-        # about as many as are queued now (Little's law at a steady arrival rate).
+        # about as many as are queued now (Little's law at a steady arrival rate); and it
+        # stalls the decode steps of the requests running there, whose next tokens wait
+        # for each of its chunks (its computed tokens only: a CPU-tier load is a copy).
         weight = p.congestionWeight
-        costs = [t + weight * q * o for t, o, q in zip(ttfts, own_s, queued_list, strict=True)]
+        stall_weight = p.decodeStallWeight
+        stalls = [stall_weight * r * own[2] for r, own in zip(running_list, own_list, strict=True)]
+        costs = [
+            t + weight * q * o + st
+            for t, o, q, st in zip(ttfts, own_s, queued_list, stalls, strict=True)
+        ]
         # Prompt tokens another candidate holds are work this pod would do again: valued
         # at the pool's cost shape (not the pod's speed factor, so that pods that merely
         # look faster are not favoured for it) and at the pool's utilisation.
@@ -556,11 +580,12 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                     displaced[i] = reuse * cold_prefill_s(float(evicted * block_size))
                     costs[i] += displaced[i]
         if explain is not None:
-            for pod, t, cost, dup, gone in zip(
-                pods, ttfts, costs, duplicated, displaced, strict=True
+            for pod, t, cost, dup, gone, st in zip(
+                pods, ttfts, costs, duplicated, displaced, stalls, strict=True
             ):
                 row = explain[pod.endpoint.address]
-                row["congestion_s"] = cost - t - gone
+                row["congestion_s"] = cost - t - gone - st
+                row["decode_stall_s"] = st
                 row["duplicated_s"] = dup
                 row["displaced_s"] = gone
                 row["utilisation"] = rho

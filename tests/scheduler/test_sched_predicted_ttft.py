@@ -441,3 +441,39 @@ def test_the_queue_follows_a_pods_kv_events_once_they_have_confirmed_a_prefill()
     # Its answer ends the watch.
     s.on_outcome(routed, Outcome(address="a:1", ok=True, ttft_s=9.5, now=110.0))
     assert progress.computed(routed.request.request_id) is None
+
+
+def test_a_prompt_nothing_holds_goes_where_it_stalls_the_fewest_decodes():
+    """Idle queues, alike in speed: without the stall term a new prompt costs the same
+    everywhere but for the running requests' share of its prefill steps, which a fit can
+    learn as nothing. Its prefill stalls the decodes of every request running on the pod
+    it goes to, so it goes to the pod decoding fewest, priced at `decodeStallWeight`."""
+
+    def choose(stall_weight: float) -> tuple[str, dict]:
+        s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0,
+                   decodeStallWeight=stall_weight)  # fmt: skip
+        pods = [pod("a:1", running=30), pod("b:1", running=12), pod("c:1", running=20)]
+        c = ctx(2000)
+        scores = s.score(c, pods)
+        return pods[scores.index(1.0)].address, c.components
+
+    address, comp = choose(0.0)
+    assert comp["a:1"]["ttft_s"] == comp["b:1"]["ttft_s"] == comp["c:1"]["ttft_s"]
+    assert all(row["decode_stall_s"] == 0.0 for row in comp.values())
+    address, comp = choose(0.1)
+    assert address == "b:1"
+    assert comp["b:1"]["decode_stall_s"] == pytest.approx(0.1 * 12 * 2000 / RATE)
+    assert comp["a:1"]["decode_stall_s"] == pytest.approx(0.1 * 30 * 2000 / RATE)
+    assert comp["a:1"]["congestion_s"] == 0.0  # nothing queued: the stall is its own term
+
+
+def test_a_cached_prefix_still_wins_over_a_pod_decoding_fewer_requests():
+    """The stall scales with the prefill a placement computes: on the pod holding 1,984
+    of 2,000 tokens, 16 tokens stall its 30 decodes less than 2,000 stall b's 10."""
+    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0)
+    pods = [pod("a:1", running=30), pod("b:1", running=10)]
+    c = ctx(2000, hits={"a:1": PrefixHit(blocks=124)})
+    scores = s.score(c, pods)
+    assert scores[0] == 1.0 > scores[1]
+    comp = c.components
+    assert comp["a:1"]["decode_stall_s"] < comp["b:1"]["decode_stall_s"]
