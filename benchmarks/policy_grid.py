@@ -279,7 +279,8 @@ def plot(rel: dict[str, dict[str, float]], policies: Sequence[str], path: Path) 
 
 
 def goals(cells: dict[str, dict[str, Any]], policy: str) -> dict[str, Any]:
-    """How `policy` fares against the issue's goals, per cell."""
+    """How `policy` fares against the goals set for the default policy (README, "Routing
+    policies"), per cell."""
     rel = relative_p90(cells)
     ranks: dict[str, list[int]] = {}
     misses: list[str] = []
@@ -313,7 +314,7 @@ def goals(cells: dict[str, dict[str, Any]], policy: str) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=200, help="requests per cell")
     ap.add_argument("--pods", type=int, default=4)
@@ -348,8 +349,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     ap.add_argument("--name", default="policy_grid")
-    args = ap.parse_args(argv)
-    cells = [Cell(t, ld, a) for t in args.trace for ld in args.load for a in args.attention]
+    return ap
+
+
+def grid_cells(args: argparse.Namespace) -> list[Cell]:
+    return [Cell(t, ld, a) for t in args.trace for ld in args.load for a in args.attention]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cells = grid_cells(args)
     started = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
