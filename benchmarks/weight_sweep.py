@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 DEFAULT_CONFIG = ROOT.parent / "epp" / "configs" / "default.yaml"
 SCORER = "predicted-ttft-scorer"
+CELLS_PER_WORKER = 10
 DEFAULT_GRIDS = (
     "policy_grid",
     "policy_grid_h200_forward",
@@ -135,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         "command": "benchmarks/weight_sweep.py " + " ".join(argv or sys.argv[1:]),
         "grids": {},
     }
-    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(args.jobs) as pool:
+    # A worker's memory grows with the cells it has run (each builds its own traces and
+    # pools); replacing workers every few cells keeps a sweep of thousands within RAM.
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        ProcessPoolExecutor(args.jobs, max_tasks_per_child=CELLS_PER_WORKER) as pool,
+    ):
         configs = {v: variant_config(args.param, v, Path(tmp)) for v in args.values}
         futures = {}
         for stem, doc in docs.items():
