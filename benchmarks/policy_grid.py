@@ -243,6 +243,22 @@ def run_cell(
     return out
 
 
+def run_cell_with_options(
+    cell: Cell, policies: Sequence[str], args: argparse.Namespace
+) -> dict[str, Any]:
+    """`run_cell` with the pool and workload options of a parsed grid command line."""
+    return run_cell(
+        cell,
+        policies,
+        args.requests,
+        args.pods,
+        args.seed,
+        args.pod_slowdowns,
+        args.kv_tokens,
+        args.profile,
+    )
+
+
 def relative_p90(cells: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     rel: dict[str, dict[str, float]] = {}
     for key, per_policy in cells.items():
@@ -362,20 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {
-            c.key: pool.submit(
-                run_cell,
-                c,
-                args.policy,
-                args.requests,
-                args.pods,
-                args.seed,
-                args.pod_slowdowns,
-                args.kv_tokens,
-                args.profile,
-            )
-            for c in cells
-        }
+        futures = {c.key: pool.submit(run_cell_with_options, c, args.policy, args) for c in cells}
         for key, fut in futures.items():
             results[key] = fut.result()
             best = min(s["ttft_p90_s"] for s in results[key].values())

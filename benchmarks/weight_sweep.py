@@ -30,14 +30,19 @@ from typing import Any
 
 import yaml
 
-from smart_epp.benchmarks.policy_grid import Cell, build_parser, goals, grid_cells, run_cell
+from smart_epp.benchmarks.policy_grid import (
+    Cell,
+    build_parser,
+    goals,
+    grid_cells,
+    run_cell_with_options,
+)
 from smart_epp.epp.scheduler import load_config
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 DEFAULT_CONFIG = ROOT.parent / "epp" / "configs" / "default.yaml"
 SCORER = "predicted-ttft-scorer"
-CELLS_PER_WORKER = 10
 DEFAULT_GRIDS = (
     "policy_grid",
     "policy_grid_h200_forward",
@@ -77,17 +82,7 @@ def grid_args(doc: dict[str, Any]) -> argparse.Namespace:
 
 
 def run_variant(cell: Cell, config: str, args: argparse.Namespace) -> dict[str, Any]:
-    out = run_cell(
-        cell,
-        [config],
-        args.requests,
-        args.pods,
-        args.seed,
-        args.pod_slowdowns,
-        args.kv_tokens,
-        args.profile,
-    )
-    return out[config]
+    return run_cell_with_options(cell, [config], args)[config]
 
 
 def summarize_variant(
@@ -137,21 +132,20 @@ def main(argv: list[str] | None = None) -> int:
         "grids": {},
     }
     # A worker's memory grows with the cells it has run (each builds its own traces and
-    # pools); replacing workers every few cells keeps a sweep of thousands within RAM.
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        ProcessPoolExecutor(args.jobs, max_tasks_per_child=CELLS_PER_WORKER) as pool,
-    ):
+    # pools), so each grid gets a fresh pool of workers.
+    variants: dict[tuple[str, float], dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
         configs = {v: variant_config(args.param, v, Path(tmp)) for v in args.values}
-        futures = {}
         for stem, doc in docs.items():
             gargs = grid_args(doc)
-            for value, config in configs.items():
-                for cell in grid_cells(gargs):
-                    futures[stem, value, cell.key] = pool.submit(run_variant, cell, config, gargs)
-        variants: dict[tuple[str, float], dict[str, Any]] = {}
-        for (stem, value, key), fut in futures.items():
-            variants.setdefault((stem, value), {})[key] = fut.result()
+            with ProcessPoolExecutor(args.jobs) as pool:
+                futures = {
+                    (value, cell.key): pool.submit(run_variant, cell, config, gargs)
+                    for value, config in configs.items()
+                    for cell in grid_cells(gargs)
+                }
+                for (value, key), fut in futures.items():
+                    variants.setdefault((stem, value), {})[key] = fut.result()
     totals: dict[str, dict[float, list[dict[str, Any]]]] = {"tuning": {}, "held-out": {}}
     for stem, doc in docs.items():
         role = "tuning" if doc["seed"] == 0 else "held-out"
