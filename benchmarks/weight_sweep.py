@@ -37,11 +37,10 @@ from smart_epp.benchmarks.policy_grid import (
     grid_cells,
     run_cell_with_options,
 )
-from smart_epp.epp.scheduler import load_config
+from smart_epp.epp.config import builtin_config_text, load_config
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
-DEFAULT_CONFIG = ROOT.parent / "epp" / "configs" / "default.yaml"
 SCORER = "predicted-ttft-scorer"
 DEFAULT_GRIDS = (
     "policy_grid",
@@ -64,10 +63,10 @@ DEFAULT_GRIDS = (
 
 def variant_config(param: str, value: float, folder: Path) -> str:
     """The default EndpointPickerConfig with `param` of its TTFT scorer set to `value`."""
-    doc = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    doc = yaml.safe_load(builtin_config_text("default"))
     scorers = [p for p in doc["plugins"] if p["type"] == SCORER]
     if len(scorers) != 1:
-        raise SystemExit(f"{DEFAULT_CONFIG} has {len(scorers)} {SCORER} plugins, expected 1")
+        raise SystemExit(f"the default config has {len(scorers)} {SCORER} plugins, expected 1")
     scorers[0].setdefault("parameters", {})[param] = value
     path = folder / f"default-{param}-{value:g}.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -122,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     docs = {stem: json.loads((RESULTS / f"{stem}.json").read_text()) for stem in args.grids}
     for stem, doc in docs.items():
-        missing = [k for k, per in doc["cells"].items() for s in per.values()
-                   if s.get("output_tok_per_s_while_arriving") is None]  # fmt: skip
-        if missing:
+        cells = doc["cells"].values()
+        if any(
+            s.get("output_tok_per_s_while_arriving") is None for per in cells for s in per.values()
+        ):
             raise SystemExit(f"{stem}.json predates output_tok_per_s_while_arriving: re-run it")
     report: dict[str, Any] = {
         "what": f"default with {SCORER} {args.param} varied; other policies as committed",

@@ -557,12 +557,16 @@ def load_config_file(path: str | Path) -> LoadedConfig:
     return parse_config(path.read_text(encoding="utf-8"), source=str(path))
 
 
-def builtin_config(name: str) -> LoadedConfig:
-    """One of the configs shipped with smart-epp (BUILTIN_CONFIGS)."""
+def builtin_config_text(name: str) -> str:
+    """The YAML of one of the configs shipped with smart-epp (BUILTIN_CONFIGS)."""
     if name not in BUILTIN_CONFIGS:
         raise ValueError(f"no built-in config {name!r}; choose one of {', '.join(BUILTIN_CONFIGS)}")
-    text = importlib.resources.files("smart_epp.epp.configs").joinpath(f"{name}.yaml").read_text()
-    return parse_config(text, source=f"built-in {name!r}")
+    return importlib.resources.files("smart_epp.epp.configs").joinpath(f"{name}.yaml").read_text()
+
+
+def builtin_config(name: str) -> LoadedConfig:
+    """One of the configs shipped with smart-epp (BUILTIN_CONFIGS)."""
+    return parse_config(builtin_config_text(name), source=f"built-in {name!r}")
 
 
 def load_config(spec: str | Path | LoadedConfig | None = None) -> LoadedConfig:

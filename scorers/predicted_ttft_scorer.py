@@ -396,7 +396,6 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         ttfts: list[float] = []
         own_s: list[float] = []
         queued_list: list[float] = []
-        running_list: list[float] = []
         hit_list: list[float] = []
         own_list: list[tuple[float, float, float]] = []
         ahead_list: list[tuple[float, float, float]] = []
@@ -508,7 +507,6 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             ttfts.append(ttft)
             own_s.append(prefill_s + cpu_s)
             queued_list.append(float(queued))
-            running_list.append(running)
             hit_list.append(hit_tokens)
             own_list.append((uncached, pairs, prefill_s))
             ahead_list.append((tokens_ahead, pairs_ahead, running))
@@ -530,7 +528,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         # for each of its chunks (its computed tokens only: a CPU-tier load is a copy).
         weight = p.congestionWeight
         stall_weight = p.decodeStallWeight
-        stalls = [stall_weight * r * own[2] for r, own in zip(running_list, own_list, strict=True)]
+        # a[2]: the pod's running requests; o[2]: the placement's own prefill seconds.
+        stalls = [stall_weight * a[2] * o[2] for a, o in zip(ahead_list, own_list, strict=True)]
         costs = [
             t + weight * q * o + st
             for t, o, q, st in zip(ttfts, own_s, queued_list, stalls, strict=True)
