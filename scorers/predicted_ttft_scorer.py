@@ -41,7 +41,10 @@ pool's cost shape: work the pool would not otherwise do, which at prefill utilis
 rho delays the requests after it by about rho / (1 - rho) times its length (an M/M/1
 queue's wait per unit of work). rho is the predicted prefill of what this gateway (and,
 with shared pool state, the other pickers) routed in the last second, per candidate pod,
-capped at 0.95. An idle pool pays nothing for it; a saturated one follows its prefixes.
+capped at 0.95; rho / (1 - rho) is also read from the queues, as the median candidate's
+work ahead in mean requests (an M/M/1 queue's wait in services), and the larger of the
+two counts, since decode steps can fill the pods' time while routed prefill looks light.
+An idle pool pays nothing for it; a saturated one follows its prefixes.
 The third term is the decode stall: vLLM schedules prefill chunks in the same steps as
 the running requests' decodes, so each of those waits the placement's prefill time for
 its next token. Weighted at a tenth of a second of TTFT per stalled second (a chosen rate
@@ -95,6 +98,10 @@ MAX_PENDING = 200_000  # requests awaiting their response; oldest dropped beyond
 # Past this prefill utilisation the pool is saturated and rho / (1 - rho) (here 19) says
 # nothing more: the duplicated work is then always worth avoiding.
 MAX_UTILISATION = 0.95
+# rho / (1 - rho) at that utilisation: the most mean services a second of duplicated
+# prefill is priced as delaying, however long the queues (a cap on the price, not a bound
+# on the wait).
+MAX_DELAYED_PER_WORK = MAX_UTILISATION / (1.0 - MAX_UTILISATION)
 # Utilisation is the predicted prefill routed over this window: long enough to average a
 # few requests' arrivals, short enough to follow a load change within a second.
 UTILISATION_WINDOW_S = 1.0
@@ -547,8 +554,22 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             )
 
         duplicated: list[float] = [0.0] * len(pods)
-        if rho > 0 and hit_list:
-            per_work = weight * rho / (1.0 - rho)
+        # rho / (1 - rho) is also an M/M/1 queue's mean wait in mean services, so the
+        # queues give a second estimate of it: the work ahead on the median candidate,
+        # in units of the mean request's prefill. It sees a saturation the routed prefill
+        # misses (decode steps taking much of the pods' time: every pod has work waiting
+        # at a prefill utilisation of a half); the median, so that one pod's hot prefix
+        # does not make an otherwise idle pool look saturated. The larger estimate counts.
+        queue_ratio = 0.0
+        mean_work = shape_c1 * mean_tokens / TOKEN_UNIT + shape_c2 * mean_pairs / PAIR_UNIT
+        if ahead_list and mean_work > 0:
+            work_ahead = sorted(
+                shape_c1 * a[0] / TOKEN_UNIT + shape_c2 * a[1] / PAIR_UNIT for a in ahead_list
+            )
+            queue_ratio = work_ahead[(len(work_ahead) - 1) // 2] / mean_work
+        delayed_per_work = min(MAX_DELAYED_PER_WORK, max(rho / (1.0 - rho), queue_ratio))
+        if delayed_per_work > 0 and hit_list:
+            per_work = weight * delayed_per_work
             best_hit = max(hit_list)
             for i, held in enumerate(hit_list):
                 extra = best_hit - held
@@ -588,6 +609,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                 row["duplicated_s"] = dup
                 row["displaced_s"] = gone
                 row["utilisation"] = rho
+                row["queue_ratio"] = queue_ratio
         if hit_list:
             # Pods priced alike go to the one holding most of the prompt: the fit can find
             # prefill too cheap to tell them apart (answers dominated by fixed cost), and the

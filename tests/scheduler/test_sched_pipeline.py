@@ -110,7 +110,9 @@ async def test_one_shared_prefix_does_not_pile_onto_one_pod():
     # A burst of requests sharing a long prefix that only p0 holds, each with 64 tokens of
     # its own. Following the prefix costs each one the queue of suffixes ahead of it on p0;
     # once that outweighs prefilling the 2,048-token prefix again elsewhere, requests go
-    # to the other pods, which then hold the prefix too.
+    # to other pods, which then hold the prefix too. Each further copy is priced at the
+    # queue on the median pod, so the burst (which never drains here: nothing answers)
+    # spreads until the queues it would skip are about as long as a copy's prefill.
     index = MemoryBlockIndex()
     pods = [pod(f"p{i}:1") for i in range(4)]
     warm(index, "p0:1", PROMPT[:2048])
@@ -122,7 +124,7 @@ async def test_one_shared_prefix_does_not_pile_onto_one_pod():
         decision.endpoints[0].inflight.requests += 1  # the datastore's bookkeeping
     loads = sorted(p.inflight.requests for p in pods)
     assert loads[-1] <= 40, loads  # not all 64 on p0
-    assert loads[0] >= 4, loads  # every pod takes a share
+    assert loads[1] >= 4, loads  # three pods take a share
 
 
 async def test_learned_prefill_rate_steers_away_from_a_slow_pod():

@@ -301,6 +301,32 @@ def test_a_busy_pool_waits_for_a_held_prefix_instead_of_computing_it_again():
     assert address == "a:1"
 
 
+def test_a_pool_backed_up_on_most_pods_waits_for_a_held_prefix():
+    """a holds 1,984 of the prompt's 2,000 tokens behind 6 waiting requests; b is idle and
+    answers sooner by computing all 2,000 again. Nothing was routed lately, so the routed
+    prefill says the pool is idle; but c and d have 4 requests waiting each, so the median
+    pod has 4 mean requests of work ahead, and a copy made on b is waited for as by them
+    (rho / (1 - rho) = 4 at the queue's estimate). With c and d idle, only a's prefix is
+    hot and the pool has room: b computes it."""
+
+    def chosen(others_waiting: int) -> tuple[str, dict]:
+        s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0, meanPromptTokens=1024)
+        pods = [pod("a:1", waiting=6), pod("b:1"), pod("c:1", waiting=others_waiting),
+                pod("d:1", waiting=others_waiting)]  # fmt: skip
+        c = ctx(2000, hits={"a:1": PrefixHit(blocks=124)}, now=100.0)
+        c.block_sizes = {p.address: 16 for p in pods}
+        scores = s.score(c, pods)
+        return pods[scores.index(1.0)].address, c.components
+
+    address, comp = chosen(0)
+    assert address == "b:1" and comp["b:1"]["queue_ratio"] == 0.0
+    address, comp = chosen(4)
+    assert comp["b:1"]["utilisation"] == 0.0
+    assert comp["b:1"]["queue_ratio"] == pytest.approx(4.0)
+    assert comp["b:1"]["ttft_s"] < comp["a:1"]["ttft_s"]
+    assert address == "a:1"
+
+
 def test_prefill_other_pickers_routed_counts_toward_the_pools_utilisation():
     """The same choice as above when this picker routed nothing itself and its peers
     (shared pool state) routed 1.23 s of prefill per second to the two candidates: each
@@ -345,7 +371,10 @@ def test_a_cache_miss_on_a_busy_pod_costs_the_requests_behind_it():
     chosen, comp = rank(0.0)
     assert chosen == "b:1" and comp["b:1"]["ttft_s"] < comp["a:1"]["ttft_s"]
     chosen, comp = rank(1.0)
-    assert comp["b:1"]["congestion_s"] == pytest.approx(8 * 1008 / RATE)
+    # b would also compute again the 912 tokens a holds, priced at the median pod's queue:
+    # 8 requests of the mean size ahead, so 8 mean services delayed per second of it.
+    assert comp["b:1"]["queue_ratio"] == pytest.approx(8.0)
+    assert comp["b:1"]["congestion_s"] == pytest.approx(8 * 1008 / RATE + 8 * 912 / RATE)
     assert comp["a:1"]["congestion_s"] == pytest.approx(10 * 96 / RATE)
     assert chosen == "a:1"
 
