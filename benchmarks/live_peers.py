@@ -115,8 +115,10 @@ class Pods:
 def start_pods(
     group: ProcessGroup, count: int, time_scale: float, tokenizer: Path | None = None
 ) -> Pods:
-    http_base = free_port_block(count)
-    kv_base = free_port_block(2 * count)  # PUB ports, then the replay ports
+    # One block for the HTTP, KV PUB and replay ports: two blocks picked one after the
+    # other can overlap, since neither is held until the pods bind it.
+    http_base = free_port_block(3 * count)
+    kv_base = http_base + count  # PUB ports, then the replay ports
     sim = group.start(
         "sim",
         epp_argv(

@@ -185,8 +185,10 @@ def running_stack(pods: int, console: Console) -> Iterator[Stack]:
     workdir = Path(tempfile.mkdtemp(prefix="epp-demo-"))
     group = ProcessGroup(workdir)
     try:
-        http_base = free_port_block(pods)
-        kv_base = free_port_block(2 * pods)  # PUB ports, then replay ports
+        # One block for the HTTP, KV PUB and replay ports: two blocks picked one after
+        # the other can overlap, since neither is held until the pods bind it.
+        http_base = free_port_block(3 * pods)
+        kv_base = http_base + pods  # PUB ports, then replay ports
         console.print(f"[bold]starting[/bold] {pods} simulated vLLM pods (h100-llama3-8b) ...")
         sim = group.start(
             "sim",

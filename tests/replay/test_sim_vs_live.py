@@ -63,7 +63,8 @@ def sim_pods(tmp_path: Path) -> Iterator[list[str]]:
         check=True,
     ).stdout
     profile.write_text(printed)
-    base, kv = free_port_block(2), free_port_block(4)  # HTTP; KV PUB, then replay
+    base = free_port_block(6)  # HTTP; KV PUB, then replay: one block, so none overlap
+    kv = base + 2
     argv = [*EPP, "sim",
             "--pods", "2", "--model", MODEL, "--block-size", str(BLOCK_SIZE),
             "--num-blocks", "128", "--profile", str(profile), "--tokenizer", str(TOKENIZER_DIR),

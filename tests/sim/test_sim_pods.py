@@ -304,7 +304,8 @@ async def test_cli_runs_a_pool_of_pods(tmp_path):
 
     from support.net import free_port_block
 
-    base, kv = free_port_block(2), free_port_block(4)
+    base = free_port_block(6)  # HTTP; KV PUB, then replay: one block, so none overlap
+    kv = base + 2
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", "from smart_epp.epp.cli import main; main()",
         "sim", "--pods", "2", "--base-port", str(base), "--kv-events-port", str(kv),
