@@ -35,6 +35,7 @@ from smart_epp.benchmarks.policy_grid import (
     build_parser,
     goals,
     grid_cells,
+    relative_p90,
     run_cell_with_options,
 )
 from smart_epp.epp.config import builtin_config_text, load_config
@@ -89,10 +90,10 @@ def summarize_variant(
 ) -> dict[str, Any]:
     cells = {key: {**per, "default": variant[key]} for key, per in committed.items()}
     g = goals(cells, "default")
-    p90_ratios, tput_ratios = [], []
+    p90_ratios = [rel["default"] for rel in relative_p90(cells).values()]
+    tput_ratios = []
     for per in cells.values():
         mine = per["default"]
-        p90_ratios.append(mine["ttft_p90_s"] / min(s["ttft_p90_s"] for s in per.values()))
         best = max(s["output_tok_per_s_while_arriving"] for s in per.values())
         tput_ratios.append(mine["output_tok_per_s_while_arriving"] / best)
     return {

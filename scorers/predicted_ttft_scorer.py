@@ -547,11 +547,14 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         rho = self.utilisation(now, pods)
         shape_c1, shape_c2 = typical * pool_c1, typical * pool_c2
 
+        def at_pool_shape(tokens: float, pairs: float) -> float:
+            """Seconds of prefill for `tokens` and their attention `pairs`, at the pool's
+            cost shape."""
+            return shape_c1 * tokens / TOKEN_UNIT + shape_c2 * pairs / PAIR_UNIT
+
         def cold_prefill_s(tokens: float) -> float:
             """`tokens` computed from scratch, at the pool's cost shape."""
-            return (
-                shape_c1 * tokens / TOKEN_UNIT + shape_c2 * attention_pairs(tokens, 0.0) / PAIR_UNIT
-            )
+            return at_pool_shape(tokens, attention_pairs(tokens, 0.0))
 
         duplicated: list[float] = [0.0] * len(pods)
         # rho / (1 - rho) is also an M/M/1 queue's mean wait in mean services, so the
@@ -560,22 +563,22 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         # misses (decode steps taking much of the pods' time: every pod has work waiting
         # at a prefill utilisation of a half); the median, so that one pod's hot prefix
         # does not make an otherwise idle pool look saturated. The larger estimate counts.
+        # Read only when some candidate would compute again what another holds.
         queue_ratio = 0.0
-        mean_work = shape_c1 * mean_tokens / TOKEN_UNIT + shape_c2 * mean_pairs / PAIR_UNIT
-        if ahead_list and mean_work > 0:
-            work_ahead = sorted(
-                shape_c1 * a[0] / TOKEN_UNIT + shape_c2 * a[1] / PAIR_UNIT for a in ahead_list
-            )
-            queue_ratio = work_ahead[(len(work_ahead) - 1) // 2] / mean_work
-        delayed_per_work = min(MAX_DELAYED_PER_WORK, max(rho / (1.0 - rho), queue_ratio))
-        if delayed_per_work > 0 and hit_list:
-            per_work = weight * delayed_per_work
-            best_hit = max(hit_list)
-            for i, held in enumerate(hit_list):
-                extra = best_hit - held
-                if extra > 0:
-                    duplicated[i] = cold_prefill_s(extra)
-                    costs[i] += per_work * duplicated[i]
+        best_hit = max(hit_list) if hit_list else 0.0
+        if best_hit > min(hit_list, default=best_hit):
+            mean_work = at_pool_shape(mean_tokens, mean_pairs)
+            if mean_work > 0:
+                work_ahead = sorted(at_pool_shape(a[0], a[1]) for a in ahead_list)
+                queue_ratio = work_ahead[(len(work_ahead) - 1) // 2] / mean_work
+            delayed_per_work = min(MAX_DELAYED_PER_WORK, max(rho / (1.0 - rho), queue_ratio))
+            if delayed_per_work > 0:
+                per_work = weight * delayed_per_work
+                for i, held in enumerate(hit_list):
+                    extra = best_hit - held
+                    if extra > 0:
+                        duplicated[i] = cold_prefill_s(extra)
+                        costs[i] += per_work * duplicated[i]
         # A prompt's new blocks on a pod whose prefix cache is full push as many held
         # blocks out (vLLM evicts the least recently used), which the requests that would
         # have reused them compute again; on a pod with room they push out nothing. Priced
@@ -614,7 +617,6 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             # Pods priced alike go to the one holding most of the prompt: the fit can find
             # prefill too cheap to tell them apart (answers dominated by fixed cost), and the
             # pod that computes least is the one such a price would have missed.
-            best_hit = max(hit_list)
             for i, held in enumerate(hit_list):
                 costs[i] += TIE_BREAK_S_PER_TOKEN * (best_hit - held)
             self._break_ties_by_load(costs, pods, now)
