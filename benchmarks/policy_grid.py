@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import math
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ import numpy as np
 
 from smart_epp.benchmarks.replay.arrivals import poisson_arrivals, scaled_arrivals
 from smart_epp.benchmarks.replay.cli import Workload, simulate_policy
-from smart_epp.benchmarks.replay.report import summarize
+from smart_epp.benchmarks.replay.report import RequestResult, summarize
 from smart_epp.benchmarks.replay.sim import SimConfig, parse_slowdowns, pod_address
 from smart_epp.benchmarks.replay.traces import (
     SharedPrefixSpec,
@@ -212,16 +213,16 @@ class Cell:
         return f"{self.trace} load={self.load:g} attn={self.attention:g}x"
 
 
-def run_cell(
+def cell_setup(
     cell: Cell,
-    policies: Sequence[str],
     n: int,
     pods: int,
     seed: int,
     slowdowns: tuple[float, ...] = (),
     kv_tokens: int | None = None,
     profile: str = BASE_PROFILE,
-) -> dict[str, Any]:
+) -> tuple[Workload, SimConfig]:
+    """One cell's requests with their arrivals, and its pool."""
     requests = load_workload(cell.trace, n, seed)
     arrivals = arrivals_for_load(cell.trace, requests, cell.load, pods, seed, slowdowns, profile)
     # Requests longer than the profile's context are rejected, the same ones for every policy.
@@ -232,11 +233,40 @@ def run_cell(
         pod_slowdowns=slowdowns,
         num_blocks=None if kv_tokens is None else kv_tokens // BLOCK_SIZE,
     )
+    return Workload(requests, arrivals), config
+
+
+def simulate_cell(
+    cell: Cell,
+    policy: str,
+    n: int,
+    pods: int,
+    seed: int,
+    slowdowns: tuple[float, ...] = (),
+    kv_tokens: int | None = None,
+    profile: str = BASE_PROFILE,
+) -> list[RequestResult]:
+    """One policy over one cell's requests on a fresh pool: every request's result."""
+    workload, config = cell_setup(cell, n, pods, seed, slowdowns, kv_tokens, profile)
+    return simulate_policy(policy, workload, config, seed)
+
+
+def run_cell(
+    cell: Cell,
+    policies: Sequence[str],
+    n: int,
+    pods: int,
+    seed: int,
+    slowdowns: tuple[float, ...] = (),
+    kv_tokens: int | None = None,
+    profile: str = BASE_PROFILE,
+) -> dict[str, Any]:
+    workload, config = cell_setup(cell, n, pods, seed, slowdowns, kv_tokens, profile)
     addresses = [pod_address(i) for i in range(pods)]
     out: dict[str, Any] = {}
     for name in policies:
         started = time.perf_counter()
-        results = simulate_policy(name, Workload(requests, arrivals), config, seed)
+        results = simulate_policy(name, workload, config, seed)
         summary = summarize(results, addresses).as_json()
         summary["wall_s"] = round(time.perf_counter() - started, 2)
         out[name] = summary
@@ -366,6 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     ap.add_argument("--name", default="policy_grid")
     return ap
+
+
+def grid_args(doc: dict[str, Any]) -> argparse.Namespace:
+    """The options a committed grid file was written with."""
+    words = shlex.split(doc["command"])[1:]
+    return build_parser().parse_args(words)
 
 
 def grid_cells(args: argparse.Namespace) -> list[Cell]:

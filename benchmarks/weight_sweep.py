@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shlex
 import sys
 import tempfile
 import time
@@ -32,8 +31,8 @@ import yaml
 
 from smart_epp.benchmarks.policy_grid import (
     Cell,
-    build_parser,
     goals,
+    grid_args,
     grid_cells,
     relative_p90,
     run_cell_with_options,
@@ -73,12 +72,6 @@ def variant_config(param: str, value: float, folder: Path) -> str:
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     load_config(str(path))  # an unknown parameter fails here, before any cell runs
     return str(path)
-
-
-def grid_args(doc: dict[str, Any]) -> argparse.Namespace:
-    """The options a committed grid file was written with."""
-    words = shlex.split(doc["command"])[1:]
-    return build_parser().parse_args(words)
 
 
 def run_variant(cell: Cell, config: str, args: argparse.Namespace) -> dict[str, Any]:

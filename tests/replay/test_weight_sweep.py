@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from smart_epp.benchmarks.policy_grid import Cell, build_parser, run_cell
+from smart_epp.benchmarks.policy_grid import Cell, build_parser, grid_args, run_cell
 from smart_epp.benchmarks.weight_sweep import (
-    grid_args,
     run_variant,
     summarize_variant,
     variant_config,
