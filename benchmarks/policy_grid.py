@@ -236,19 +236,39 @@ def cell_setup(
     return Workload(requests, arrivals), config
 
 
-def simulate_cell(
-    cell: Cell,
-    policy: str,
-    n: int,
-    pods: int,
-    seed: int,
-    slowdowns: tuple[float, ...] = (),
-    kv_tokens: int | None = None,
-    profile: str = BASE_PROFILE,
-) -> list[RequestResult]:
-    """One policy over one cell's requests on a fresh pool: every request's result."""
-    workload, config = cell_setup(cell, n, pods, seed, slowdowns, kv_tokens, profile)
-    return simulate_policy(policy, workload, config, seed)
+def cell_setup_with_options(cell: Cell, args: argparse.Namespace) -> tuple[Workload, SimConfig]:
+    """`cell_setup` with the pool and workload options of a parsed grid command line."""
+    return cell_setup(
+        cell,
+        args.requests,
+        args.pods,
+        args.seed,
+        args.pod_slowdowns,
+        args.kv_tokens,
+        args.profile,
+    )
+
+
+def simulate_cell(cell: Cell, policy: str, args: argparse.Namespace) -> list[RequestResult]:
+    """One policy over one cell's requests on a fresh pool, with a grid command line's
+    options: every request's result."""
+    workload, config = cell_setup_with_options(cell, args)
+    return simulate_policy(policy, workload, config, args.seed)
+
+
+def run_policies(
+    workload: Workload, config: SimConfig, policies: Sequence[str], seed: int
+) -> dict[str, Any]:
+    """Each policy's summary over the same requests, each on a fresh pool."""
+    addresses = [pod_address(i) for i in range(config.pods)]
+    out: dict[str, Any] = {}
+    for name in policies:
+        started = time.perf_counter()
+        results = simulate_policy(name, workload, config, seed)
+        summary = summarize(results, addresses).as_json()
+        summary["wall_s"] = round(time.perf_counter() - started, 2)
+        out[name] = summary
+    return out
 
 
 def run_cell(
@@ -262,31 +282,15 @@ def run_cell(
     profile: str = BASE_PROFILE,
 ) -> dict[str, Any]:
     workload, config = cell_setup(cell, n, pods, seed, slowdowns, kv_tokens, profile)
-    addresses = [pod_address(i) for i in range(pods)]
-    out: dict[str, Any] = {}
-    for name in policies:
-        started = time.perf_counter()
-        results = simulate_policy(name, workload, config, seed)
-        summary = summarize(results, addresses).as_json()
-        summary["wall_s"] = round(time.perf_counter() - started, 2)
-        out[name] = summary
-    return out
+    return run_policies(workload, config, policies, seed)
 
 
 def run_cell_with_options(
     cell: Cell, policies: Sequence[str], args: argparse.Namespace
 ) -> dict[str, Any]:
     """`run_cell` with the pool and workload options of a parsed grid command line."""
-    return run_cell(
-        cell,
-        policies,
-        args.requests,
-        args.pods,
-        args.seed,
-        args.pod_slowdowns,
-        args.kv_tokens,
-        args.profile,
-    )
+    workload, config = cell_setup_with_options(cell, args)
+    return run_policies(workload, config, policies, args.seed)
 
 
 def relative_p90(cells: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
