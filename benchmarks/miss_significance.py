@@ -44,7 +44,14 @@ from typing import Any
 
 import numpy as np
 
-from smart_epp.benchmarks.policy_grid import grid_args, grid_cells, simulate_cell
+from smart_epp.benchmarks.policy_grid import (
+    P50_GOAL,
+    P90_GOAL,
+    TOKENS_GOAL,
+    grid_args,
+    grid_cells,
+    simulate_cell,
+)
 from smart_epp.benchmarks.replay.report import (
     RequestResult,
     percentile,
@@ -113,12 +120,12 @@ def _ttft_goal(q: int, limit: float) -> Goal:
 
 
 GOALS = (
-    _ttft_goal(90, 1.03),
-    _ttft_goal(50, 1.10),
+    _ttft_goal(90, P90_GOAL),
+    _ttft_goal(50, P50_GOAL),
     Goal(
         name="tokens/s while arriving",
         field="output_tok_per_s_while_arriving",
-        limit=0.98,
+        limit=TOKENS_GOAL,
         higher_is_better=True,
         per_request=tokens_by_last_arrival,
         statistic=lambda x: x.sum(axis=-1),
