@@ -361,7 +361,10 @@ def run(args: argparse.Namespace) -> int:
     except (StartupError, OSError) as exc:
         console.print(f"[red]demo could not start:[/red] {exc}")
         return 1
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        # Only Ctrl-C cancels an asyncio.run main task here; Python 3.11's asyncio.run
+        # reports a Ctrl-C that lands while it installs its SIGINT handler as the task's
+        # CancelledError instead of KeyboardInterrupt.
         console.print("\ninterrupted; every demo process has been stopped")
         return 130
     console.print(f"\ndemo finished in {time.monotonic() - started:.0f}s")

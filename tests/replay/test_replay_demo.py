@@ -99,3 +99,31 @@ def test_demo_interrupted_stops_every_process() -> None:
     pids = _started_pids(out)
     assert len(pids) == 3
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_an_interrupt_reported_as_a_cancelled_task_exits_as_an_interrupt(monkeypatch) -> None:
+    """Python 3.11's asyncio.run turns a Ctrl-C that lands while it installs its SIGINT
+    handler into its task's CancelledError; the demo still stops and exits 130."""
+    import asyncio
+    import contextlib
+
+    from smart_epp.epp import demo
+    from smart_epp.epp.cli import build_parser
+
+    stopped: list[bool] = []
+
+    @contextlib.contextmanager
+    def stack(pods, console):
+        try:
+            yield None
+        finally:
+            stopped.append(True)
+
+    def cancelled(stack, args, console):
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(demo, "running_stack", stack)
+    monkeypatch.setattr(demo, "live_stage", cancelled)
+    args = build_parser().parse_args(["demo", "--skip-sim"])
+    assert demo.run(args) == 130
+    assert stopped == [True]
