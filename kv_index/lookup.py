@@ -18,6 +18,9 @@ from .keys import KeyScope, block_keys
 log = logging.getLogger(__name__)
 
 ModelOf = Callable[[str], str | None]  # pod address -> base model its KV events are keyed by
+# Most candidates hold nothing of a prompt; one shared (immutable) answer for all of them
+# saves building one per pod per request.
+NO_HIT = PrefixHit(blocks=0)
 
 
 class IndexPrefixMatcher:
@@ -72,7 +75,7 @@ class IndexPrefixMatcher:
             hits[address] = (
                 PrefixHit(blocks=hit.blocks, medium=hit.medium, tokens=hit.blocks * size)
                 if hit is not None and hit.blocks > 0
-                else PrefixHit(blocks=0)
+                else NO_HIT
             )
 
     async def match(
@@ -89,7 +92,7 @@ class IndexPrefixMatcher:
             if keys_out is not None:
                 keys_out.update(dict.fromkeys(addresses, keys))
         for address in block_sizes:
-            hits.setdefault(address, PrefixHit(blocks=0))
+            hits.setdefault(address, NO_HIT)
         return hits
 
     def match_sync(
@@ -109,7 +112,7 @@ class IndexPrefixMatcher:
             if keys_out is not None:
                 keys_out.update(dict.fromkeys(addresses, keys))
         for address in block_sizes:
-            hits.setdefault(address, PrefixHit(blocks=0))
+            hits.setdefault(address, NO_HIT)
         return hits
 
     def held_blocks(self, addresses: Collection[str]) -> Mapping[str, int] | None:
@@ -169,6 +172,13 @@ class _HeldBlocks(Mapping[str, int]):
     def __getitem__(self, address: str) -> int:
         if address not in self._addresses:
             raise KeyError(address)
+        return self._count(address)
+
+    def get(self, address: str, default: int | None = None) -> int | None:  # type: ignore[override]
+        # Mapping's own get goes through __getitem__ and a KeyError; this is asked once
+        # per candidate per request.
+        if address not in self._addresses:
+            return default
         return self._count(address)
 
     def __iter__(self) -> Iterator[str]:

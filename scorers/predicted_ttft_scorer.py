@@ -569,16 +569,25 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         if best_hit > min(hit_list, default=best_hit):
             mean_work = at_pool_shape(mean_tokens, mean_pairs)
             if mean_work > 0:
-                work_ahead = sorted(at_pool_shape(a[0], a[1]) for a in ahead_list)
+                # at_pool_shape per candidate, written out: this runs for every request.
+                work_ahead = sorted(
+                    [shape_c1 * a[0] / TOKEN_UNIT + shape_c2 * a[1] / PAIR_UNIT for a in ahead_list]
+                )
                 queue_ratio = work_ahead[(len(work_ahead) - 1) // 2] / mean_work
             delayed_per_work = min(MAX_DELAYED_PER_WORK, max(rho / (1.0 - rho), queue_ratio))
             if delayed_per_work > 0:
                 per_work = weight * delayed_per_work
+                # Candidates holding the same share (most often none of it) repeat the
+                # same price: computed once per distinct share.
+                price_of: dict[float, float] = {}
                 for i, held in enumerate(hit_list):
                     extra = best_hit - held
                     if extra > 0:
-                        duplicated[i] = cold_prefill_s(extra)
-                        costs[i] += per_work * duplicated[i]
+                        price = price_of.get(extra)
+                        if price is None:
+                            price = price_of[extra] = cold_prefill_s(extra)
+                        duplicated[i] = price
+                        costs[i] += per_work * price
         # A prompt's new blocks on a pod whose prefix cache is full push as many held
         # blocks out (vLLM evicts the least recently used), which the requests that would
         # have reused them compute again; on a pod with room they push out nothing. Priced

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from smart_epp.framework.types import Api, LLMRequest, PrefixHit
 from smart_epp.kv_index.keys import KeyScope, block_keys
 from smart_epp.kv_index.lookup import IndexPrefixMatcher
@@ -49,3 +51,13 @@ def test_speculative_entries_are_found_until_they_expire() -> None:
     assert matcher.match_sync(TOKENS, request(), {"a:1": 16})["a:1"].blocks == 4
     now[0] = 2.0
     assert matcher.match_sync(TOKENS, request(), {"a:1": 16})["a:1"].blocks == 0
+
+
+def test_held_blocks_answer_only_for_the_pods_asked_about() -> None:
+    matcher = IndexPrefixMatcher(filled())
+    held = matcher.held_blocks({"a:1": 16, "c:1": 16})
+    assert held is not None
+    assert (held.get("a:1"), held["c:1"], held.get("b:1"), held.get("b:1", -1)) == (4, 1, None, -1)
+    assert sorted(held) == ["a:1", "c:1"]
+    with pytest.raises(KeyError):
+        held["b:1"]  # a pod not asked about has no count
