@@ -569,10 +569,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         if best_hit > min(hit_list, default=best_hit):
             mean_work = at_pool_shape(mean_tokens, mean_pairs)
             if mean_work > 0:
-                # at_pool_shape per candidate, written out: this runs for every request.
-                work_ahead = sorted(
-                    [shape_c1 * a[0] / TOKEN_UNIT + shape_c2 * a[1] / PAIR_UNIT for a in ahead_list]
-                )
+                work_ahead = sorted(at_pool_shape(a[0], a[1]) for a in ahead_list)
                 queue_ratio = work_ahead[(len(work_ahead) - 1) // 2] / mean_work
             delayed_per_work = min(MAX_DELAYED_PER_WORK, max(rho / (1.0 - rho), queue_ratio))
             if delayed_per_work > 0:
