@@ -58,6 +58,16 @@ DEFAULT_GRIDS = (
     "policy_grid_pod_slowdowns_seed2",
     "policy_grid_kv64k_seed2",
     "policy_grid_zipf_seed2",
+    # Held out since they were written: seeds no variant was ever tried on, without
+    # Mooncake cells (those replay the same trace requests under every seed).
+    "policy_grid_seed4",
+    "policy_grid_seed5",
+    "policy_grid_seed6",
+    "policy_grid_kv64k_seed3",
+    "policy_grid_pod_slowdowns_seed3",
+    "policy_grid_zipf_seed3",
+    "policy_grid_zipf_seed4",
+    "policy_grid_zipf_seed5",
 )
 
 

@@ -28,7 +28,9 @@ for KV space are not learned from: those waits are separate terms.
 
 Ranking: cost = ttft + `congestionWeight` x (queued requests x own prefill time
                                            + rho / (1 - rho) x duplicated prefill time)
-                    + `decodeStallWeight` x running requests x own prefill time.
+                    + `decodeStallWeight` x running requests x own prefill time
+                    + `decodeCrowdingWeight` x running requests x decode slope
+                                             x mean output tokens.
 The first term is the prefill time this placement adds to the pod, valued at the requests
 it delays: those that will queue behind it there, about as many as are queued now. On an
 idle pod it is nothing and the request goes wherever it is answered first (its cached
@@ -50,8 +52,15 @@ the running requests' decodes, so each of those waits the placement's prefill ti
 its next token. Weighted at a tenth of a second of TTFT per stalled second (a chosen rate
 of exchange, measured both ways in the README), it sends prompts that nothing holds to
 pods decoding fewer requests, so decode batches stay even, while a cached prefix (little
-prefill, little stall) still wins. Other terms were measured and rejected (README,
-"Routing policies").
+prefill, little stall) still wins. The fourth term, off unless configured, is the decode
+crowding: once its prefill is done the placement decodes in the same steps as the pod's
+running requests, and each step takes longer by the learned slope
+(scorers/decode_model.py: seconds per output token per running request, from the
+answers' time per output token with the prefill's share of the steps divided out), for
+about the mean output length. It keeps a popular prefix's followers from piling into one
+decode batch once that batch costs its requests more than the prefix saves: more output
+tokens/s, at the price of computing some prefixes again. Other terms were measured and
+rejected (README, "Routing policies").
 
 vLLM always computes the prompt's last token, so a pod reuses at most
 (prompt - 1) // block_size full blocks, however much of the prompt it holds.
@@ -80,6 +89,7 @@ from ..framework.plugins import (
 )
 from ..framework.registry import register_plugin
 from ..framework.types import SLO_TTFT_HEADER, Decision, Outcome, PodState
+from .decode_model import DecodeSlope
 from .lora_affinity_scorer import adapter_active, adapter_slot_free
 from .routed_prefixes import unit_chunk_keys
 from .ttft_model import (
@@ -149,6 +159,13 @@ class PredictedTTFTParams(PluginParams):
     # policy grids from {0, 0.05, 0.1, 0.15, 0.25, 1} and checked on held-out seeds
     # (README, "Routing policies").
     decodeStallWeight: float = Field(default=0.1, ge=0)
+    # Weight of the decode steps a placement slows while it decodes, per request decoding
+    # on the pod: each running request waits the learned per-request step cost
+    # (scorers/decode_model.py) for about the mean output length. The same kind of delay
+    # as the stall; at the stall's rate (0.1) it evens decode batches for output tokens/s
+    # at some cost in TTFT p90, measured in the README ("Decode crowding"), so it is off
+    # (0) by default: a choice for pools that value throughput over TTFT tails.
+    decodeCrowdingWeight: float = Field(default=0.0, ge=0)
     # Prompt prefixes this gateway routed count as held by that pod until answered (at
     # most this long), so requests sharing a prefix follow it even when it waits in a
     # queue longer than the KV index's own speculative entries last (0: off, the
@@ -172,6 +189,8 @@ class PodModel:
     # UTILISATION_WINDOW_S, and their sum.
     recent_prefill: deque[tuple[float, float]] = field(default_factory=deque)
     recent_prefill_s: float = 0.0
+    # Requests running on the pod as the last decision priced it (scrape and sends).
+    last_running: float = 0.0
 
     def routed_prefill_s(self, now: float) -> float:
         """Predicted prefill seconds this gateway routed to the pod in the last window."""
@@ -202,6 +221,7 @@ class Routed:
     routed_at: float
     learnable: bool = True  # no adapter load or KV wait: the model explains its TTFT
     chunk_keys: list[int] = field(default_factory=list)
+    prefill_share: float = 0.0  # the pod's share of time in routed prefill, at dispatch
 
 
 @dataclass(slots=True)
@@ -331,6 +351,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         # Share of prompt tokens the pool's answers found cached, as a running mean: how
         # much of what the pods hold gets used again (0 until answers show any).
         self.reuse_rate = 0.0
+        self.decode_slope = DecodeSlope()
         self.routed_prefixes = RoutedPrefixes(params.routedPrefixSeconds)
         # (routed at, predicted prefill seconds) of the last UTILISATION_WINDOW_S.
         self._recent_prefill: deque[tuple[float, float]] = deque()
@@ -411,6 +432,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         typical = learner.typical_scale()
         center = learner.center_log_scale
         learnable_list: list[bool] = []
+        speed_list: list[float] = []
         for pod in pods:
             address = pod.endpoint.address
             m = pod.metrics
@@ -419,6 +441,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             speed = speeds.get(address)
             k = math.exp(speed.credible_log_scale(center)) if speed is not None else typical
             c0, c1, c2, c3 = k * pool_c0, k * pool_c1, k * pool_c2, k * pool_c3
+            speed_list.append(k)
             hit_tokens = 0.0
             cpu_s = 0.0
             held = hits.get(address)
@@ -476,6 +499,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             # Between scrapes the gateway's own sends are the freshest count of the batch.
             inflight = pod.inflight.requests
             running = float(max(m.running, inflight - m.waiting) if ok else inflight)
+            if model is not None:
+                model.last_running = running
             prefill_s = c1 * uncached / TOKEN_UNIT + c2 * pairs / PAIR_UNIT
             wait_s = (
                 c0 + c1 * tokens_ahead / TOKEN_UNIT + c2 * pairs_ahead / PAIR_UNIT + c3 * running
@@ -537,6 +562,17 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         stall_weight = p.decodeStallWeight
         # a[2]: the pod's running requests; o[2]: the placement's own prefill seconds.
         stalls = [stall_weight * a[2] * o[2] for a, o in zip(ahead_list, own_list, strict=True)]
+        crowding = [0.0] * len(pods)
+        crowding_weight = p.decodeCrowdingWeight
+        if crowding_weight > 0:
+            # While it decodes, the placement adds the learned per-request step cost to
+            # each of the pod's steps (at the pod's speed relative to the pool's), about
+            # mean-output times.
+            per_running = crowding_weight * self.decode_slope.slope * self.mean_output_tokens
+            per_running /= typical
+            for i, (a, k) in enumerate(zip(ahead_list, speed_list, strict=True)):
+                crowding[i] = per_running * k * a[2]
+                stalls[i] += crowding[i]
         costs = [
             t + weight * q * o + st
             for t, o, q, st in zip(ttfts, own_s, queued_list, stalls, strict=True)
@@ -609,12 +645,13 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                     displaced[i] = reuse * cold_prefill_s(float(evicted * block_size))
                     costs[i] += displaced[i]
         if explain is not None:
-            for pod, t, cost, dup, gone, st in zip(
-                pods, ttfts, costs, duplicated, displaced, stalls, strict=True
+            for pod, t, cost, dup, gone, st, crowded in zip(
+                pods, ttfts, costs, duplicated, displaced, stalls, crowding, strict=True
             ):
                 row = explain[pod.endpoint.address]
                 row["congestion_s"] = cost - t - gone - st
-                row["decode_stall_s"] = st
+                row["decode_stall_s"] = st - crowded
+                row["decode_crowding_s"] = crowded
                 row["duplicated_s"] = dup
                 row["displaced_s"] = gone
                 row["utilisation"] = rho
@@ -708,6 +745,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             ctx.now,
             learnable=prediction.learnable[i],
             chunk_keys=prediction.chunk_keys,
+            prefill_share=self._prefill_share(model, now),
         )
         while len(self._pending) > MAX_PENDING:
             old_id, old = self._pending.popitem(last=False)
@@ -716,6 +754,12 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                 old_model.queue.items.pop(old_id, None)
             if ctx.prefill_progress is not None:
                 ctx.prefill_progress.forget(old_id)
+
+    @staticmethod
+    def _prefill_share(model: PodModel, now: float) -> float:
+        """Share of the pod's time its routed prefill takes (prefill chunks share the
+        decode steps), capped as the utilisation is."""
+        return min(MAX_UTILISATION, model.routed_prefill_s(now) / UTILISATION_WINDOW_S)
 
     def _watch_prefill(self, ctx: SchedulingContext, address: str) -> None:
         """Follows this request's prefill in the pod's KV events: the prompt's blocks past
@@ -764,10 +808,22 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             )
             if ttft_s is not None:
                 decode_s = (now - routed.routed_at) - ttft_s
+                if decode_s > 0 and usage.completion_tokens > 1:
+                    self._learn_decode_slope(model, routed, decode_s, usage.completion_tokens, now)
                 if decode_s > 0:
                     model.decode_s_per_token = _ewma(
                         model.decode_s_per_token, decode_s / usage.completion_tokens, alpha
                     )
+
+    def _learn_decode_slope(
+        self, model: PodModel, routed: Routed, decode_s: float, tokens: int, now: float
+    ) -> None:
+        """One answer's time per output token against the requests running alongside it,
+        both averaged over its dispatch and its end, with the prefill chunks' share of the
+        steps divided out."""
+        share = 0.5 * (routed.prefill_share + self._prefill_share(model, now))
+        running = 0.5 * (routed.ahead.running + model.last_running)
+        self.decode_slope.observe((1.0 - share) * decode_s / (tokens - 1), running)
 
     def observe(
         self, address: str, ttft_s: float, prompt_tokens: int, cached_tokens: int, ahead: Snapshot

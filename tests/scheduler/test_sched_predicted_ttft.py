@@ -506,3 +506,52 @@ def test_a_cached_prefix_still_wins_over_a_pod_decoding_fewer_requests():
     assert scores[0] == 1.0 > scores[1]
     comp = c.components
     assert comp["a:1"]["decode_stall_s"] < comp["b:1"]["decode_stall_s"]
+
+
+def test_answers_teach_the_decode_slope_with_prefill_chunks_divided_out():
+    """Requests sent at batch sizes 4..28, each answered with the time per output token a
+    batch of that size takes (8 ms + 0.3 ms per running request): the scorer learns the
+    0.3 ms. Its own routed prefill (half of the pod's second at most) is the prefill share
+    it divides out, so the time it is given is stretched by that share first."""
+    s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0)
+    for i in range(200):
+        running = 4 + (i * 7) % 25
+        now = 100.0 + 10.0 * i  # far apart: no routed prefill left in the window
+        c = ctx(100, now=now)
+        a = pod("a:1", running=running)
+        s.score(c, [a])
+        s.on_routed(c, a)
+        share = s._prefill_share(s.pods["a:1"], now)
+        tpot = (0.008 + 0.0003 * running) / (1.0 - share)
+        usage = Usage(prompt_tokens=100, completion_tokens=65)
+        ended = now + 0.01 + tpot * 64
+        s.on_outcome(c, Outcome(address="a:1", ok=True, ttft_s=0.01, now=ended, usage=usage))
+    assert s.decode_slope.slope == pytest.approx(0.0003, rel=0.05)
+
+
+def test_decode_crowding_moves_a_follower_off_a_crowded_pod_only_when_priced():
+    """A prompt whose first 1,984 tokens pod a holds; a decodes 60 requests, b 2. With the
+    learned slope (0.3 ms per running request per token, 256-token answers) priced at 0.1,
+    60 requests crowded by another 256 tokens outweigh b's 1,984 tokens of prefill; at 0
+    the cached prefix wins."""
+
+    def choose(weight: float) -> tuple[str, dict]:
+        s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0,
+                   decodeCrowdingWeight=weight, meanOutputTokens=256)  # fmt: skip
+        for running in range(0, 40):
+            s.decode_slope.observe(0.008 + 0.0003 * running, float(running))
+        pods = [pod("a:1", running=60), pod("b:1", running=2)]
+        c = ctx(2000, hits={"a:1": PrefixHit(blocks=124)})
+        scores = s.score(c, pods)
+        return pods[scores.index(1.0)].address, c.components
+
+    address, comp = choose(0.0)
+    assert address == "a:1"
+    assert comp["a:1"]["decode_stall_s"] == pytest.approx(0.1 * 60 * 16 / RATE)
+    assert comp["a:1"]["decode_crowding_s"] == 0.0
+    address, comp = choose(0.1)
+    assert address == "b:1"
+    crowding = 0.1 * 0.0003 * 256
+    assert comp["a:1"]["decode_stall_s"] == pytest.approx(0.1 * 60 * 16 / RATE)
+    assert comp["a:1"]["decode_crowding_s"] == pytest.approx(crowding * 60)
+    assert comp["b:1"]["decode_crowding_s"] == pytest.approx(crowding * 2)
