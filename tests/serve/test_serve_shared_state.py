@@ -27,6 +27,7 @@ from serve_stack import (
     served_counts,
     sim_pods,
     text,
+    wait_ready,
     wait_started,
     write_endpoints,
 )
@@ -78,6 +79,8 @@ async def picker_pair(tmp_path: Path, redis_url: str) -> AsyncIterator[Pair]:
         ):
             await wait_started(one)
             await wait_started(two)
+            await wait_ready(one)
+            await wait_ready(two)
             async with (
                 async_running_envoy(epp_port=one.grpc_port) as envoy_one,
                 async_running_envoy(epp_port=two.grpc_port) as envoy_two,
