@@ -562,7 +562,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         stall_weight = p.decodeStallWeight
         # a[2]: the pod's running requests; o[2]: the placement's own prefill seconds.
         stalls = [stall_weight * a[2] * o[2] for a, o in zip(ahead_list, own_list, strict=True)]
-        crowding = [0.0] * len(pods)
+        crowding: list[float] | None = None  # per pod, only when priced
         crowding_weight = p.decodeCrowdingWeight
         if crowding_weight > 0:
             # While it decodes, the placement adds the learned per-request step cost to
@@ -570,9 +570,9 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             # mean-output times.
             per_running = crowding_weight * self.decode_slope.slope * self.mean_output_tokens
             per_running /= typical
-            for i, (a, k) in enumerate(zip(ahead_list, speed_list, strict=True)):
-                crowding[i] = per_running * k * a[2]
-                stalls[i] += crowding[i]
+            crowding = [per_running * k * a[2] for a, k in zip(ahead_list, speed_list, strict=True)]
+            for i, crowded in enumerate(crowding):
+                stalls[i] += crowded
         costs = [
             t + weight * q * o + st
             for t, o, q, st in zip(ttfts, own_s, queued_list, stalls, strict=True)
@@ -645,9 +645,10 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                     displaced[i] = reuse * cold_prefill_s(float(evicted * block_size))
                     costs[i] += displaced[i]
         if explain is not None:
-            for pod, t, cost, dup, gone, st, crowded in zip(
-                pods, ttfts, costs, duplicated, displaced, stalls, crowding, strict=True
+            for i, (pod, t, cost, dup, gone, st) in enumerate(
+                zip(pods, ttfts, costs, duplicated, displaced, stalls, strict=True)
             ):
+                crowded = crowding[i] if crowding is not None else 0.0
                 row = explain[pod.endpoint.address]
                 row["congestion_s"] = cost - t - gone - st
                 row["decode_stall_s"] = st - crowded
