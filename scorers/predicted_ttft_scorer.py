@@ -10,8 +10,8 @@ Per candidate pod:
          + adapter load, or the wait for a free LoRA slot
          + KV wait                                           no free KV for the prompt
 
-`own uncached tokens` = prompt - tokens the pod holds (the KV index at the pod's block size;
-opt-in, prompts this gateway sent it and has not seen answered); its attention pairs are
+`own uncached tokens` = prompt - tokens the pod holds (the KV index at the pod's block size,
+or prompts this gateway sent it and has not seen answered); its attention pairs are
 u * (held + u / 2), so a long uncached prompt costs more than linearly once the model has
 seen that it does. `tokens ahead` is the prefill this gateway has sent the pod and not
 seen done: as far as the pod's KV events show each request's prefill (vLLM stores a
@@ -166,11 +166,15 @@ class PredictedTTFTParams(PluginParams):
     # at some cost in TTFT p90, measured in the README ("Decode crowding"), so it is off
     # (0) by default: a choice for pools that value throughput over TTFT tails.
     decodeCrowdingWeight: float = Field(default=0.0, ge=0)
-    # Prompt prefixes this gateway routed count as held by that pod until answered (at
-    # most this long), so requests sharing a prefix follow it even when it waits in a
-    # queue longer than the KV index's own speculative entries last (0: off, the
-    # default: the index's entries cover bursts, and this costs hashing every prompt).
-    routedPrefixSeconds: float = Field(default=0.0, ge=0)
+    # Prompt prefixes this gateway routed count as held by that pod until answered, at
+    # most this long. A queued request has computed nothing yet, so neither the pod's KV
+    # events nor the index's speculative entries (2 s) show its prefix; past saturation,
+    # where queues last longer than that, a new prefix's followers would each see it
+    # nowhere and compute it again on another pod. A running request keeps its blocks
+    # until it ends, so "held until answered" is what the pod does; the cap only bounds
+    # an answer that never comes (60 s: longer than a queue any pool serves from; 60 and
+    # 300 gave identical grids, README "Prefixes in flight"). 0 turns it off.
+    routedPrefixSeconds: float = Field(default=60.0, ge=0)
     routedPrefixChunkTokens: int = Field(default=256, ge=1)
     staleAfterSeconds: float = Field(default=1.0, gt=0)
     blockSize: int | None = Field(default=None, gt=0)

@@ -22,8 +22,13 @@ def scorer(**params) -> PredictedTTFTScorer:
     return cls("ttft", cls.Params.model_validate(params))  # type: ignore[return-value]
 
 
-def ctx(tokens: int = 1000, *, adapter: str | None = None, hits=None, now: float = 100.0):
-    req = request(tokens=list(range(tokens)), adapter=adapter)
+def ctx(
+    tokens: int = 1000, *, adapter: str | None = None, hits=None, now: float = 100.0,
+    prompt: int = 0,
+):
+    # `prompt` tells prompts apart: equal values share every token, others share none.
+    start = prompt * 1_000_000
+    req = request(tokens=list(range(start, start + tokens)), adapter=adapter)
     return SchedulingContext(
         request=req, now=now, prompt_tokens=tokens, token_ids=req.prompt_token_ids,
         prefix_hits=hits, block_sizes={"a:1": 16, "b:1": 16}, rng=random.Random(0),
@@ -108,13 +113,23 @@ def test_prefixes_in_flight_count_as_held_until_answered_or_expired():
     assert late.components["b:1"]["hit_tokens"] == 0
 
 
-def test_prefixes_in_flight_are_left_to_the_index_by_default():
+def test_prefixes_in_flight_count_by_default_and_can_be_left_to_the_index():
+    # By default a prompt sent and not yet answered counts as held where it went: its
+    # prefill may wait in the pod's queue far longer than the index's speculative entries.
     s = scorer(overheadSeconds=0.0)
     first = ctx(1000, now=100.0)
     s.score(first, [pod("a:1"), pod("b:1")])
     s.on_routed(first, pod("b:1"))
+    later = ctx(1000, now=130.0)
+    s.score(later, [pod("a:1"), pod("b:1")])
+    assert later.components["b:1"]["hit_tokens"] == 768
+    assert later.components["a:1"]["hit_tokens"] == 0
+    off = scorer(overheadSeconds=0.0, routedPrefixSeconds=0.0)
+    first = ctx(1000, now=100.0)
+    off.score(first, [pod("a:1"), pod("b:1")])
+    off.on_routed(first, pod("b:1"))
     again = ctx(1000, now=100.01)
-    s.score(again, [pod("a:1"), pod("b:1")])
+    off.score(again, [pod("a:1"), pod("b:1")])
     assert again.components["b:1"]["hit_tokens"] == 0
 
 
@@ -257,7 +272,7 @@ def test_pods_priced_alike_go_to_the_one_sent_the_least_prefill_lately():
     s = scorer(runningRequestStepSeconds=0.0)
     pods = [pod("a:1"), pod("b:1"), pod("c:1")]
     for k, sent_to in enumerate((pods[0], pods[0], pods[1])):  # 0.1 s of prefill each
-        sent = ctx(1000, now=99.2 + 0.01 * k)
+        sent = ctx(1000, now=99.2 + 0.01 * k, prompt=k + 1)
         s.score(sent, [sent_to])
         s.on_routed(sent, sent_to)
     pods[2].inflight.peer_prefill_rate = 0.15  # another picker's share
@@ -282,7 +297,7 @@ def test_a_busy_pool_waits_for_a_held_prefix_instead_of_computing_it_again():
         pods = [pod("a:1", waiting=2), pod("b:1")]
         elsewhere = pod("c:1")  # the recent traffic went to a pod outside this choice
         for k in range(cold_requests_routed):  # 1,024 cold tokens: 0.1024 s of prefill
-            sent = ctx(1024, now=99.05 + 0.08 * k)
+            sent = ctx(1024, now=99.05 + 0.08 * k, prompt=k + 1)
             s.score(sent, [elsewhere])
             s.on_routed(sent, elsewhere)
         c = ctx(2000, hits={"a:1": PrefixHit(blocks=124)}, now=100.0)
