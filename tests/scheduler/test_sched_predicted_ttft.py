@@ -23,7 +23,11 @@ def scorer(**params) -> PredictedTTFTScorer:
 
 
 def ctx(
-    tokens: int = 1000, *, adapter: str | None = None, hits=None, now: float = 100.0,
+    tokens: int = 1000,
+    *,
+    adapter: str | None = None,
+    hits=None,
+    now: float = 100.0,
     prompt: int = 0,
 ):
     # `prompt` tells prompts apart: equal values share every token, others share none.
