@@ -224,7 +224,7 @@ class Routed:
     hit_tokens: float  # cached tokens the index predicted
     routed_at: float
     learnable: bool = True  # no adapter load or KV wait: the model explains its TTFT
-    chunk_keys: list[int] = field(default_factory=list)
+    chunk_keys: Sequence[int] = ()  # the prompt's routed-prefix keys for this pod
     prefill_share: float = 0.0  # the pod's share of time in routed prefill, at dispatch
 
 
@@ -238,7 +238,9 @@ class Prediction:
     own: list[tuple[float, float, float]]
     ahead: list[tuple[float, float, float]]
     learnable: list[bool]
-    chunk_keys: list[int]
+    # Per pod: the prompt's routed-prefix keys there (pods sharing a block size share one
+    # list).
+    chunk_keys: list[Sequence[int]]
 
 
 class RoutedPrefixes:
@@ -287,20 +289,29 @@ class RoutedPrefixes:
                     del self._holders[key]
 
     def matched_chunks(self, keys: Sequence[int], now: float) -> dict[str, int]:
-        """Per pod, how many leading chunks of `keys` it was sent and not yet answered."""
-        run: dict[str, int] = {}
-        holders_by_depth: list[dict[str, list[float]]] = []
-        for n, key in enumerate(keys, 1):
-            holders = self._holders.get(key)
+        """Per pod, how many leading chunks of `keys` it was sent and not yet answered.
+
+        Keys are chained (holding chunk n means holding chunks 1..n), and every prompt
+        adds, refreshes and releases all its chunks at once, so the pods holding chunk n
+        are among those holding chunk n - 1: walking from the deepest chunk up, a level
+        no larger than the pods already placed adds none, and each pod is visited about
+        once however many chunks it shares (a system prompt sent to every pod)."""
+        levels: list[dict[str, list[float]]] = []
+        holders_of = self._holders
+        for key in keys:
+            holders = holders_of.get(key)
             if not holders:
                 break
-            # Keys are chained, so holding chunk n means holding chunks 1..n as well.
-            run.update(dict.fromkeys(holders, n))
-            holders_by_depth.append(holders)
-        for address, n in list(run.items()):
-            if holders_by_depth[n - 1][address][1] <= now:
-                del run[address]
-        return run
+            levels.append(holders)
+        deepest: dict[str, int] = {}  # 0: its deepest entry had expired
+        for n in range(len(levels), 0, -1):
+            holders = levels[n - 1]
+            if len(holders) <= len(deepest):
+                continue
+            for address, entry in holders.items():
+                if address not in deepest:
+                    deepest[address] = n if entry[1] > now else 0
+        return {address: n for address, n in deepest.items() if n}
 
     def _expire(self, now: float) -> None:
         expiry = self._expiry
@@ -398,6 +409,61 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             return model.decode_s_per_token
         return self.params.decodeSecondsPerToken
 
+    def _routed_prefix_lookup(
+        self, ctx: SchedulingContext, pods: Sequence[PodState], now: float
+    ) -> tuple[list[Sequence[int]], dict[str, float]]:
+        """Per pod (in `pods`' order), the prompt's routed-prefix keys, and per pod sent a
+        prefix of it and not yet answered, the prompt tokens it can reuse from that.
+
+        The keys are the block index's own chained block keys for the pod (already cut
+        for the prefix lookup, scoped by model, adapter and salt), every `chunk`-th one:
+        a chunk of the prompt costs no hashing. Pods without block keys (no KV events)
+        use chained keys of the token ids in `routedPrefixChunkTokens` chunks."""
+        chunk = self.params.routedPrefixChunkTokens
+        prompt_len = ctx.prompt_tokens
+        prompt_keys = ctx.prompt_keys or {}
+        block_sizes = ctx.block_sizes
+        routed = self.routed_prefixes
+        # id(block keys list) -> (chunk keys, tokens per chunk key, matched runs)
+        by_list: dict[int, tuple[Sequence[int], int, dict[str, int]]] = {}
+        per_pod: list[Sequence[int]] = []
+        tokens_of: dict[str, float] = {}
+        for pod in pods:
+            address = pod.endpoint.address
+            block_keys = prompt_keys.get(address)
+            block_size = block_sizes.get(address) or 0
+            if block_keys is None or block_size <= 0:
+                block_keys = ctx.token_ids or ()
+                block_size = 1
+                stride = chunk
+                unit = True
+            else:
+                stride = max(1, chunk // block_size)
+                unit = False
+            found = by_list.get(id(block_keys))
+            if found is None:
+                if unit:
+                    keys: Sequence[int] = unit_chunk_keys(block_keys, chunk)
+                else:
+                    keys = block_keys[stride - 1 :: stride]
+                runs = routed.matched_chunks(keys, now) if keys and len(routed) else {}
+                found = by_list[id(block_keys)] = (keys, stride, runs)
+            keys, stride, runs = found
+            per_pod.append(keys)
+            run = runs.get(address)
+            if run:
+                if unit:
+                    # Token chunks: whole blocks of the pod's size within them.
+                    size = block_sizes.get(address) or 1
+                    tokens_of[address] = float(
+                        reusable_tokens(prompt_len, run * chunk // size, size)
+                    )
+                else:
+                    tokens_of[address] = float(
+                        reusable_tokens(prompt_len, run * stride, block_size)
+                    )
+        return per_pod, tokens_of
+
     def predict(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> Prediction:
         # One tight loop per pod with parameters hoisted into locals: this runs for every
         # candidate of every request (256 pods must stay well under a millisecond).
@@ -420,9 +486,11 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         mean_pairs = self.mean_uncached_pairs
         request_kv_tokens = self.mean_prompt_tokens + mean_output
         explain = ctx.components if ctx.explain else None
-        chunk = p.routedPrefixChunkTokens
-        keys = unit_chunk_keys(ctx.token_ids or (), chunk) if p.routedPrefixSeconds > 0 else []
-        routed_runs = self.routed_prefixes.matched_chunks(keys, now) if keys else {}
+        # Per pod: the prompt's routed-prefix keys and the tokens it was sent and has not
+        # seen answered (a prefix the pod's queue holds but no KV event shows yet).
+        chunk_keys, routed_tokens_of = (
+            self._routed_prefix_lookup(ctx, pods, now) if p.routedPrefixSeconds > 0 else ([], {})
+        )
         progress = ctx.prefill_progress
 
         ttfts: list[float] = []
@@ -455,15 +523,10 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                 )
                 if held.medium == "CPU":
                     cpu_s = hit_tokens / cpu_rate
-            routed_chunks = routed_runs.get(address)
-            if routed_chunks:
-                block_size = block_sizes.get(address) or 1
-                routed_tokens = float(
-                    reusable_tokens(prompt_len, routed_chunks * chunk // block_size, block_size)
-                )
-                if routed_tokens > hit_tokens:
-                    hit_tokens = routed_tokens
-                    cpu_s = 0.0
+            routed_tokens = routed_tokens_of.get(address)
+            if routed_tokens is not None and routed_tokens > hit_tokens:
+                hit_tokens = routed_tokens
+                cpu_s = 0.0
             uncached = prompt - hit_tokens
             pairs = uncached * (hit_tokens + 0.5 * uncached)
             waiting = 0
@@ -668,7 +731,9 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             for i, held in enumerate(hit_list):
                 costs[i] += TIE_BREAK_S_PER_TOKEN * (best_hit - held)
             self._break_ties_by_load(costs, pods, now)
-        prediction = Prediction(ttfts, costs, hit_list, own_list, ahead_list, learnable_list, keys)
+        prediction = Prediction(
+            ttfts, costs, hit_list, own_list, ahead_list, learnable_list, chunk_keys
+        )
         ctx.scratch[SCRATCH_KEY] = (pods, prediction)
         return prediction
 
@@ -732,7 +797,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         model.queue.items[request_id] = Inflight(
             tokens, pairs, now, max(prefill_s, 1e-6), now + prediction.ttft_s[i]
         )
-        self.routed_prefixes.add(prediction.chunk_keys, address, ctx.now)
+        keys = prediction.chunk_keys[i] if prediction.chunk_keys else ()
+        self.routed_prefixes.add(keys, address, ctx.now)
         self._watch_prefill(ctx, address)
         self._recent_prefill.append((now, prefill_s))
         self._recent_prefill_s += prefill_s
@@ -749,7 +815,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             prediction.hit_tokens[i],
             ctx.now,
             learnable=prediction.learnable[i],
-            chunk_keys=prediction.chunk_keys,
+            chunk_keys=keys,
             prefill_share=self._prefill_share(model, now),
         )
         while len(self._pending) > MAX_PENDING:

@@ -10,8 +10,13 @@ from sched_helpers import pod, request
 from smart_epp.epp.config import plugin_types
 from smart_epp.framework.plugins import SchedulingContext
 from smart_epp.framework.types import Outcome, PrefixHit, Usage
+from smart_epp.kv_index.keys import KeyScope, block_keys
 from smart_epp.kv_index.progress import PrefillProgress
-from smart_epp.scorers.predicted_ttft_scorer import PredictedTTFTScorer, reusable_tokens
+from smart_epp.scorers.predicted_ttft_scorer import (
+    PredictedTTFTScorer,
+    RoutedPrefixes,
+    reusable_tokens,
+)
 from smart_epp.scorers.ttft_model import attention_pairs
 
 RATE = 10_000.0  # the default prior prefill rate, tokens/s
@@ -135,6 +140,63 @@ def test_prefixes_in_flight_count_by_default_and_can_be_left_to_the_index():
     again = ctx(1000, now=100.01)
     off.score(again, [pod("a:1"), pod("b:1")])
     assert again.components["b:1"]["hit_tokens"] == 0
+
+
+def test_prefixes_in_flight_use_the_index_block_keys_at_chunk_granularity():
+    # With the prefix lookup's block keys at hand, the routed prefix is every 16th block
+    # key of a 16-token-block pod (256 tokens), and a prompt sharing the first 600 tokens
+    # shares two whole chunks with it; a pod of 32-token blocks has its own keys.
+    s = scorer(overheadSeconds=0.0)
+    a, b, c = pod("a:1"), pod("b:1"), pod("c:1")
+    sizes = {"a:1": 16, "b:1": 16, "c:1": 32}
+    scope = KeyScope("m")
+
+    def keyed(tokens: list[int], now: float, scope: KeyScope = scope) -> SchedulingContext:
+        keys16, keys32 = block_keys(tokens, 16, scope), block_keys(tokens, 32, scope)
+        return SchedulingContext(
+            request=request(tokens=tokens), now=now, prompt_tokens=len(tokens),
+            token_ids=tokens, block_sizes=sizes, explain=True,
+            prompt_keys={"a:1": keys16, "b:1": keys16, "c:1": keys32},
+        )  # fmt: skip
+
+    first = keyed(list(range(1000)), 100.0)
+    s.score(first, [a, b, c])
+    s.on_routed(first, b)
+    shared = keyed([*range(600), *range(5000, 5400)], 100.5)
+    s.score(shared, [a, b, c])
+    assert shared.components["b:1"]["hit_tokens"] == 512
+    assert shared.components["a:1"]["hit_tokens"] == 0
+    # The same tokens for another model (or adapter, or salt) are other KV values.
+    other_model = keyed(list(range(1000)), 100.5, KeyScope("other"))
+    s.score(other_model, [a, b, c])
+    assert other_model.components["b:1"]["hit_tokens"] == 0
+    s.on_routed(shared, c)
+    again = keyed([*range(600), *range(7000, 7400)], 101.0)
+    s.score(again, [a, b, c])
+    assert again.components["c:1"]["hit_tokens"] == 512  # its own 256-token chunks
+    assert again.components["b:1"]["hit_tokens"] == 512
+    s.on_outcome(first, Outcome("b:1", True, 200, None, None, now=102.0))
+    s.on_outcome(shared, Outcome("c:1", True, 200, None, None, now=102.0))
+    after = keyed(list(range(1000)), 102.0)
+    s.score(after, [a, b, c])
+    assert all(after.components[x]["hit_tokens"] == 0 for x in sizes)
+
+
+def test_routed_prefix_runs_with_a_prefix_every_pod_was_sent():
+    # A system prompt (chunks 1-2) in flight on every pod, one longer prompt on one pod:
+    # each pod's run is its deepest chunk, and an expired deepest entry drops the pod.
+    table = RoutedPrefixes(ttl_s=10.0)
+    pods = [f"p{i}:1" for i in range(50)]
+    for address in pods:
+        table.add([1, 2], address, now=0.0)
+    table.add([1, 2, 3, 4], "p7:1", now=5.0)
+    runs = table.matched_chunks([1, 2, 3, 4, 5], now=6.0)
+    assert runs == {**dict.fromkeys(pods, 2), "p7:1": 4}
+    # At 11 s the system prompt's first entries have expired, p7's refresh has not.
+    assert table.matched_chunks([1, 2, 3, 4], now=11.0) == {"p7:1": 4}
+    table.release([1, 2, 3, 4], "p7:1")
+    table.release([1, 2], "p7:1")
+    assert "p7:1" not in table.matched_chunks([1, 2], now=1.0)
 
 
 def test_queue_terms_use_scraped_waiting_and_own_sends():
