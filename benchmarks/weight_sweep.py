@@ -68,6 +68,10 @@ DEFAULT_GRIDS = (
     "policy_grid_zipf_seed3",
     "policy_grid_zipf_seed4",
     "policy_grid_zipf_seed5",
+    # Ten times the default cell (2000 requests, 1x attention): past saturation the queues
+    # last minutes there, which 200-request cells do not reach.
+    "policy_grid_2000",
+    "policy_grid_2000_seed1",
 )
 
 
