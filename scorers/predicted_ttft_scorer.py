@@ -424,7 +424,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         prompt_keys = ctx.prompt_keys or {}
         block_sizes = ctx.block_sizes
         routed = self.routed_prefixes
-        # id(block keys list) -> (chunk keys, tokens per chunk key, matched runs)
+        # id(block keys list) -> (chunk keys, block keys per chunk key, matched runs)
         by_list: dict[int, tuple[Sequence[int], int, dict[str, int]]] = {}
         per_pod: list[Sequence[int]] = []
         tokens_of: dict[str, float] = {}
@@ -434,7 +434,6 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             block_size = block_sizes.get(address) or 0
             if block_keys is None or block_size <= 0:
                 block_keys = ctx.token_ids or ()
-                block_size = 1
                 stride = chunk
                 unit = True
             else:
