@@ -72,6 +72,7 @@ DEFAULT_GRIDS = (
     # last minutes there, which 200-request cells do not reach.
     "policy_grid_2000",
     "policy_grid_2000_seed1",
+    "policy_grid_2000_seed2",
 )
 
 
