@@ -424,43 +424,36 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         prompt_keys = ctx.prompt_keys or {}
         block_sizes = ctx.block_sizes
         routed = self.routed_prefixes
-        # id(block keys list) -> (chunk keys, block keys per chunk key, matched runs)
+        # id(block keys list), or 0 -> (chunk keys, prompt tokens per chunk key, matched runs)
         by_list: dict[int, tuple[Sequence[int], int, dict[str, int]]] = {}
         per_pod: list[Sequence[int]] = []
         tokens_of: dict[str, float] = {}
         for pod in pods:
             address = pod.endpoint.address
             block_keys = prompt_keys.get(address)
-            block_size = block_sizes.get(address) or 0
-            if block_keys is None or block_size <= 0:
-                block_keys = ctx.token_ids or ()
-                stride = chunk
-                unit = True
-            else:
-                stride = max(1, chunk // block_size)
-                unit = False
-            found = by_list.get(id(block_keys))
+            size = block_sizes.get(address) or 0
+            indexed = block_keys is not None and size > 0
+            list_id = id(block_keys) if indexed else 0  # 0: the token-id fallback
+            found = by_list.get(list_id)
             if found is None:
-                if unit:
-                    keys: Sequence[int] = unit_chunk_keys(block_keys, chunk)
+                if indexed:
+                    stride = max(1, chunk // size)
+                    keys: Sequence[int] = block_keys[stride - 1 :: stride]
+                    tokens_per_key = stride * size
                 else:
-                    keys = block_keys[stride - 1 :: stride]
+                    keys = unit_chunk_keys(ctx.token_ids or (), chunk)
+                    tokens_per_key = chunk
                 runs = routed.matched_chunks(keys, now) if keys and len(routed) else {}
-                found = by_list[id(block_keys)] = (keys, stride, runs)
-            keys, stride, runs = found
+                found = by_list[list_id] = (keys, tokens_per_key, runs)
+            keys, tokens_per_key, runs = found
             per_pod.append(keys)
             run = runs.get(address)
             if run:
-                if unit:
-                    # Token chunks: whole blocks of the pod's size within them.
-                    size = block_sizes.get(address) or 1
-                    tokens_of[address] = float(
-                        reusable_tokens(prompt_len, run * chunk // size, size)
-                    )
-                else:
-                    tokens_of[address] = float(
-                        reusable_tokens(prompt_len, run * stride, block_size)
-                    )
+                size = size or 1
+                # Whole blocks of the pod's size within the chunks it was sent.
+                tokens_of[address] = float(
+                    reusable_tokens(prompt_len, run * tokens_per_key // size, size)
+                )
         return per_pod, tokens_of
 
     def predict(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> Prediction:
