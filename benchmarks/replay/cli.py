@@ -45,7 +45,7 @@ from .policies.context import PolicyContext, policy_label
 from .policies.registry import (
     ALL_POLICIES,
     UnknownPolicy,
-    build_policy,
+    build_pickers,
     known_policy,
 )
 from .report import (
@@ -226,7 +226,7 @@ def simulate_policy(
     pool = SimPool.build(config)
     clock_box: list[Simulation] = []
     ctx = PolicyContext(pool, lambda: clock_box[0].now if clock_box else 0.0, seed, config.model)
-    policy = build_policy(name, ctx)
+    pickers = build_pickers(name, ctx)
     shown = label or policy_label(name)
     task = progress.add_task(shown, total=len(workload.requests)) if progress else None
 
@@ -236,7 +236,7 @@ def simulate_policy(
 
     sim = Simulation(
         config,
-        policy,
+        pickers,
         pool,
         on_request_done=done,
         hooks=hooks,

@@ -67,6 +67,10 @@ class SimConfig:
     # run at the profile's speed. Real pools are rarely identical: mixed GPU SKUs, a
     # throttled card, a noisy neighbour on the host.
     pod_slowdowns: tuple[float, ...] = ()
+    # Several pickers of one pool (replicas behind one Envoy) exchange their shared state
+    # this often: a busy pool's pickers send and read change notices about once per
+    # notice gap (epp/shared_state/sync.py, DEFAULT_NOTICE_GAP_S).
+    sync_interval_s: float = 0.02
 
     def slowdown(self, i: int) -> float:
         """Pod `i`'s step time as a multiple of the profile's."""
@@ -80,6 +84,10 @@ class RoutedPolicy:
     name: str
     scheduler: Scheduler
     kv_events: KVEventSink | None = None  # None: the policy does not use KV events
+    # Its own view of the pods when several pickers share the pool (None: the pool's).
+    datastore: Datastore | None = None
+    # One exchange with the other pickers' shared state, run every `sync_interval_s`.
+    sync: Callable[[], Awaitable[object]] | None = None
 
 
 def parse_slowdowns(text: str) -> tuple[float, ...]:
@@ -106,6 +114,7 @@ class _Tracked:
     flow: FlowRequest
     result: RequestResult
     arrival: float
+    picker: RequestFlow  # the picker that routed it hears its answer
     first_token_at: float | None = None
 
 
@@ -116,6 +125,8 @@ class SimPool:
     config: SimConfig
     engines: dict[str, SimEngine] = field(default_factory=dict)
     datastore: Datastore = field(default_factory=Datastore)
+    # Further pickers' views of the same pods, scraped alike.
+    views: list[Datastore] = field(default_factory=list)
 
     @classmethod
     def build(cls, config: SimConfig) -> SimPool:
@@ -132,10 +143,20 @@ class SimPool:
                     hash_seed="replay",
                 )
             )
-        pool.datastore.set_endpoints(Endpoint(address=address) for address in pool.engines)
-        for pod in pool.datastore.pods():
-            pod.metrics.block_size = config.block_size
+        pool._add_endpoints(pool.datastore)
         return pool
+
+    def _add_endpoints(self, datastore: Datastore) -> None:
+        datastore.set_endpoints(Endpoint(address=address) for address in self.engines)
+        for pod in datastore.pods():
+            pod.metrics.block_size = self.config.block_size
+
+    def add_view(self) -> Datastore:
+        """Another picker's view of the pods: scraped like the pool's own, booked apart."""
+        view = Datastore()
+        self._add_endpoints(view)
+        self.views.append(view)
+        return view
 
     def state(self, address: str) -> PodState:
         pod = self.datastore.get(address)
@@ -144,7 +165,12 @@ class SimPool:
 
     def scrape(self, now: float) -> None:
         for address, engine in self.engines.items():
-            _copy_metrics(engine.snapshot_metrics(now), engine, self.state(address).metrics, now)
+            metrics = engine.snapshot_metrics(now)
+            _copy_metrics(metrics, engine, self.state(address).metrics, now)
+            for view in self.views:
+                pod = view.get(address)
+                assert pod is not None, address
+                _copy_metrics(metrics, engine, pod.metrics, now)
 
 
 def _copy_metrics(m: EngineMetrics, engine: SimEngine, out: PodMetrics, now: float) -> None:
@@ -185,14 +211,19 @@ def _collector_relaxed() -> Iterator[None]:
 # Event kinds, in the order they run when due at the same instant: results of a finished
 # step first (they free capacity), then what the router hears, then new arrivals, then
 # requests flow control lets go.
-_STEP_DONE, _KV_DELIVERY, _SCRAPE, _ARRIVAL, _STEP_START, _DISPATCH = range(6)
+# Exchanges between several pickers come last: an instant's decisions ride the next one.
+_STEP_DONE, _KV_DELIVERY, _SCRAPE, _ARRIVAL, _STEP_START, _DISPATCH, _SYNC = range(7)
 
 
 class Simulation:
+    """`policy` is the router; several policies are the pickers of one pool (replicas
+    behind one Envoy, which hands them requests in turn), each with its own view of the
+    pods (`RoutedPolicy.datastore`) and exchanging shared state (`RoutedPolicy.sync`)."""
+
     def __init__(
         self,
         config: SimConfig,
-        policy: RoutedPolicy,
+        policy: RoutedPolicy | Sequence[RoutedPolicy],
         pool: SimPool | None = None,
         on_request_done: Callable[[RequestResult], None] | None = None,
         hooks: Sequence[object] = (),
@@ -200,9 +231,14 @@ class Simulation:
         objectives: ObjectiveTable | None = None,
     ) -> None:
         self.config = config
-        self.policy = policy
+        self.pickers = [policy] if isinstance(policy, RoutedPolicy) else list(policy)
+        if not self.pickers:
+            raise ValueError("a simulation needs a router")
+        self.policy = self.pickers[0]
         self.pool = pool or SimPool.build(config)
         self.now = 0.0
+        if flow_control is not None and len(self.pickers) > 1:
+            raise ValueError("flow control is simulated for one picker only")
         # Admission and flow control as `epp serve` runs them, on the virtual clock.
         self.admission: AdmissionController | None = None
         if flow_control is not None:
@@ -212,13 +248,19 @@ class Simulation:
                 clock=self._clock,
                 objectives=objectives,
             )
-        self.flow = RequestFlow(
-            policy.scheduler,
-            self.pool.datastore,
-            clock=self._clock,
-            hooks=hooks,
-            admission=self.admission,
-        )
+        self.flows = [
+            RequestFlow(
+                picker.scheduler,
+                picker.datastore or self.pool.datastore,
+                clock=self._clock,
+                hooks=hooks,
+                admission=self.admission,
+            )
+            for picker in self.pickers
+        ]
+        self.flow = self.flows[0]
+        self._turn = 0  # the picker the next request goes to
+        self._syncs = [picker.sync for picker in self.pickers if picker.sync is not None]
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self._busy: dict[str, bool] = dict.fromkeys(self.pool.engines, False)
@@ -261,6 +303,8 @@ class Simulation:
         self.pool.scrape(0.0)
         if requests:
             self._push(self.config.scrape_interval_s, _SCRAPE, None)
+            if self._syncs:
+                self._push(0.0, _SYNC, None)
         with _collector_relaxed():
             await self._drain()
         return results
@@ -268,7 +312,7 @@ class Simulation:
     async def _drain(self) -> None:
         heap = self._heap
         pop = heapq.heappop
-        kv_events = self.policy.kv_events
+        sinks = [p.kv_events for p in self.pickers if p.kv_events is not None]
         arrive, start_step, finish_step = self._arrive, self._start_step, self._finish_step
         scrape, interval = self.pool.scrape, self.config.scrape_interval_s
         while heap:
@@ -277,19 +321,26 @@ class Simulation:
             if kind == _STEP_DONE:
                 finish_step(*data)
             elif kind == _KV_DELIVERY:
-                assert kv_events is not None
-                await kv_events(*data)
+                # Every picker subscribes to every pod's events.
+                for sink in sinks:
+                    await sink(*data)
             elif kind == _STEP_START:
                 start_step(data)
             elif kind == _ARRIVAL:
                 await arrive(*data)
             elif kind == _SCRAPE:
                 scrape(at)
-                self.flow.pump()  # fresh metrics: queued requests may go now (or expire)
+                for flow in self.flows:
+                    flow.pump()  # fresh metrics: queued requests may go now (or expire)
                 if self._pending:
                     self._push(at + interval, _SCRAPE, None)
             elif kind == _DISPATCH:
                 await self._dispatch(*data)
+            elif kind == _SYNC:
+                for sync in self._syncs:
+                    await sync()
+                if self._pending:
+                    self._push(at + self.config.sync_interval_s, _SYNC, None)
 
     # -------------------------------------------------------------------- routing
     async def _arrive(self, req: TraceRequest, result: RequestResult) -> None:
@@ -303,11 +354,12 @@ class Simulation:
             max_tokens=req.output_tokens,
             headers={OBJECTIVE_HEADER: req.objective} if req.objective else {},
         )
-        flow = self.flow
+        flow = self.flows[self._turn]
+        self._turn = (self._turn + 1) % len(self.flows)
         tracked = flow.start(llm)
 
         def wake(error: RequestError | None) -> None:
-            self._push(self.now, _DISPATCH, (req, result, tracked, error))
+            self._push(self.now, _DISPATCH, (req, result, tracked, error, flow))
 
         try:
             admitted = flow.admit(tracked, wake)
@@ -315,7 +367,7 @@ class Simulation:
             self._refuse(result, error)
             return
         if admitted:
-            await self._route(req, result, tracked)
+            await self._route(req, result, tracked, flow)
 
     async def _dispatch(
         self,
@@ -323,19 +375,21 @@ class Simulation:
         result: RequestResult,
         tracked: FlowRequest,
         error: RequestError | None,
+        flow: RequestFlow,
     ) -> None:
         if error is not None:
             self._refuse(result, error)
         else:
-            await self._route(req, result, tracked)
+            await self._route(req, result, tracked, flow)
 
     def _refuse(self, result: RequestResult, error: RequestError) -> None:
         if isinstance(error, AdmissionRefused):
             result.refused = error.reason.value
         self._fail(result, error.status)
 
-    async def _route(self, req: TraceRequest, result: RequestResult, tracked: FlowRequest) -> None:
-        flow = self.flow
+    async def _route(
+        self, req: TraceRequest, result: RequestResult, tracked: FlowRequest, flow: RequestFlow
+    ) -> None:
         llm = tracked.request
         try:
             await flow.route(tracked, admitted=True)
@@ -363,7 +417,7 @@ class Simulation:
             self._fail(result, 400)
             return
         # Latencies count from arrival: time spent waiting in flow control included.
-        self._tracked[llm.request_id] = _Tracked(req, tracked, result, result.arrival_s)
+        self._tracked[llm.request_id] = _Tracked(req, tracked, result, result.arrival_s, flow)
         if not self._busy[address]:
             self._busy[address] = True
             self._push(self.now, _STEP_START, address)
@@ -410,7 +464,7 @@ class Simulation:
             if p.first_token:
                 t.first_token_at = outcome.end
                 t.result.cached_tokens = p.num_cached_tokens
-                self.flow.first_byte(t.flow)
+                t.picker.first_byte(t.flow)
             if p.finished:
                 del self._tracked[p.request_id]
                 self._complete(t, outcome.end, p.num_prompt_tokens, p.num_cached_tokens)
@@ -429,6 +483,6 @@ class Simulation:
         usage = Usage(
             prompt_tokens=prompt_tokens, completion_tokens=r.output_tokens, cached_tokens=cached
         )
-        self.flow.finish(t.flow, ok=True, status=200, usage=usage)
+        t.picker.finish(t.flow, ok=True, status=200, usage=usage)
         if self._on_done is not None:
             self._on_done(r)

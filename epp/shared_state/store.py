@@ -266,8 +266,10 @@ class LocalPoolStore:
         max_entries: int = DEFAULT_MAX_ROUTED_ENTRIES,
         max_read: int = DEFAULT_MAX_READ,
         max_learned: int = DEFAULT_MAX_LEARNED,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.picker_ttl_s = picker_ttl_s
+        self._clock = clock  # the replay's virtual clock, or the host's
         self.max_read = max_read
         self._loads: dict[str, dict[str, PodLoad]] = {}
         self._expires: dict[str, float] = {}
@@ -295,7 +297,7 @@ class LocalPoolStore:
             watchers.remove(notice)
 
     async def exchange(self, update: PickerUpdate) -> PeerView:
-        now = time.monotonic()
+        now = self._clock()
         me = update.picker
         loads = self._loads.setdefault(me, {})
         if update.replace:

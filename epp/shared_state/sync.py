@@ -254,9 +254,12 @@ class SharedPoolState:
         notices: bool = True,
         notice_gap_s: float = DEFAULT_NOTICE_GAP_S,
         registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.datastore = datastore
+        # Injected so that the replay can run several pickers in virtual time.
+        self._clock = clock
         # Peers' routed prefixes are written straight into this (untapped) index.
         self.index = index
         self.picker_id = picker_id or new_picker_id()
@@ -340,7 +343,7 @@ class SharedPoolState:
         """Before a decision: makes the peers' state at most `max_staleness_s` old, by
         joining the exchange in flight or starting one, waiting at most
         `read_budget_s`. Returns at once while the store is down (local state)."""
-        if self.up is not True or time.monotonic() - self._view_at <= self.max_staleness_s:
+        if self.up is not True or self._clock() - self._view_at <= self.max_staleness_s:
             return
         task = self._kick()
         with contextlib.suppress(TimeoutError):
@@ -355,7 +358,7 @@ class SharedPoolState:
     def routed(self, pod: str, keys: Sequence[int], ttl_s: float) -> None:
         """A prompt's blocks were marked held by `pod` on this picker: tell the others."""
         if keys and ttl_s > 0:
-            self._outbox.append((time.monotonic(), RoutedEntry(pod, tuple(keys), ttl_s)))
+            self._outbox.append((self._clock(), RoutedEntry(pod, tuple(keys), ttl_s)))
             self._wake.set()
 
     # ------------------------------------------------------------------ the loop
@@ -429,15 +432,15 @@ class SharedPoolState:
                 if not self._noticed:
                     continue  # the exchange since the wake-up read what woke it
                 # Woken by peers alone: at the reading pace.
-                wait = self._reading.wait(time.monotonic())
+                wait = self._reading.wait(self._clock())
                 if wait > 0:
                     await asyncio.sleep(wait)
-                self._reading.take(time.monotonic())
+                self._reading.take(self._clock())
             if not await asyncio.shield(self._kick()):
                 await asyncio.sleep(self.retry_s)
 
     def _update(self) -> PickerUpdate:
-        now = time.monotonic()
+        now = self._clock()
         routed: list[RoutedEntry] = []
         for recorded, entry in self._outbox:
             left = entry.ttl_s - (now - recorded)
@@ -490,7 +493,7 @@ class SharedPoolState:
         sent_outbox = len(self._outbox)
         changed = self._changed
         self._changed = set()
-        started_at = time.monotonic()
+        started_at = self._clock()
         started = time.perf_counter()
         # This exchange reads everything a notice received so far announced.
         self._noticed = False
@@ -539,7 +542,7 @@ class SharedPoolState:
         return True
 
     def _apply(self, view: PeerView) -> None:
-        prefill_rates = per_pod(self._peer_prefill.update(time.monotonic(), view.routed_prefill_s))
+        prefill_rates = per_pod(self._peer_prefill.update(self._clock(), view.routed_prefill_s))
         self.datastore.set_peer_loads(
             {
                 pod: (

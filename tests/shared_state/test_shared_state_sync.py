@@ -223,6 +223,31 @@ async def test_a_prefix_routed_by_one_picker_is_held_on_the_other(
     assert b.metric("smart_epp_shared_state_routed_entries_total", direction="published") == 0
 
 
+async def test_a_routed_prefix_keeps_its_life_on_the_other_picker() -> None:
+    # A prompt predicted to wait in a pod's queue is routed with a long speculative life;
+    # the other picker counts it held for that life too (what is left of it), in virtual
+    # time, so that its own followers of that prefix find the pod before it computes it.
+    now = [100.0]
+
+    def clock() -> float:
+        return now[0]
+
+    store = LocalPoolStore(clock=clock)
+    a = make_picker(store, "a", clock=clock)
+    b = make_picker(store, "b", clock=clock)
+    a.index = MemoryBlockIndex(10_000, clock=clock)
+    b.index = b.shared.index = MemoryBlockIndex(10_000, clock=clock)
+    scheduler_index = PublishingIndex(a.index, a.shared)
+    keys = [31, 32, 33]
+    scheduler_index.add_speculative_sync(PODS[0], keys, 12.0)
+    now[0] += 1.0
+    assert await a.shared.sync_once() and await b.shared.sync_once()
+    now[0] += 9.0  # 10 s after routing: long past the default 2 s life
+    assert (await b.index.lookup(keys))[PODS[0]].blocks == 3
+    now[0] += 2.5
+    assert await b.index.lookup(keys) == {}
+
+
 @pytest.mark.redis
 async def test_store_outage_falls_back_to_local_state_and_reconciles(
     redis_server: RedisServer,

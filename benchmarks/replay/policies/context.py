@@ -18,5 +18,9 @@ class PolicyContext:
 
 
 def policy_label(name: str) -> str:
-    """How a policy is shown: its name, or a config file's stem."""
-    return Path(name).stem if name.endswith((".yaml", ".yml")) else name
+    """How a policy is shown: its name, or a config file's stem (with `@N` pickers kept)."""
+    base, sep, count = name.rpartition("@")
+    if not sep:
+        base, count = name, ""
+    shown = Path(base).stem if base.endswith((".yaml", ".yml")) else base
+    return f"{shown}{sep}{count}"

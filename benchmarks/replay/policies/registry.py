@@ -35,7 +35,22 @@ class UnknownPolicy(ValueError):
     pass
 
 
+def split_pickers(name: str) -> tuple[str, int]:
+    """`default@3`: policy `default` run by 3 pickers of one pool sharing state (replicas
+    behind one Envoy); a name without `@` is one router."""
+    base, sep, count = name.rpartition("@")
+    if not sep:
+        return name, 1
+    if not count.isdigit() or int(count) < 1:
+        raise UnknownPolicy(f"{name!r}: the count after '@' is a number of pickers, 1 or more")
+    return base, int(count)
+
+
 def known_policy(name: str) -> bool:
+    try:
+        name, _ = split_pickers(name)
+    except UnknownPolicy:
+        return False
     return name in ALL_POLICIES or name in ALIASES or Path(name).is_file()
 
 
@@ -62,3 +77,16 @@ def build_policy(name: str, ctx: PolicyContext) -> RoutedPolicy:
         f"unknown policy {name!r}: one of {', '.join(ALL_POLICIES)}, "
         "or an EndpointPickerConfig file"
     )
+
+
+def build_pickers(spec: str, ctx: PolicyContext) -> list[RoutedPolicy]:
+    """The pickers of policy `spec` (`NAME` or `NAME@COUNT`, see `split_pickers`), sharing
+    state as `epp serve --shared-state` replicas do; one is the policy alone."""
+    name, count = split_pickers(spec)
+    if count == 1:
+        return [build_policy(name, ctx)]
+    if name in CONFIG_POLICIES or Path(name).is_file():
+        from .smart_epp import build_config_pickers
+
+        return build_config_pickers(name, ctx, count)
+    raise UnknownPolicy(f"{name!r} runs as one router: several pickers are smart-epp's")

@@ -1,10 +1,17 @@
 """smart-epp's real scheduler in the simulation: any EndpointPickerConfig (built-in name or
 file), its real KV index fed through the real event stream (decoder, ingest, sequence
-tracking), on the simulation's virtual clock."""
+tracking), on the simulation's virtual clock; alone, or as several pickers of one pool
+sharing state through the real shared-state code and an in-process store."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
 from ....epp.scheduler import build_scheduler
+from ....epp.shared_state.store import LocalPoolStore
+from ....epp.shared_state.sync import PublishingIndex, SharedPoolState
 from ....kv_index.ingest import IngestState
 from ....kv_index.memory import MemoryBlockIndex
 from ....kv_index.subscriber import PodEventStream
@@ -13,10 +20,46 @@ from .context import PolicyContext, policy_label
 
 
 def build_config_policy(name: str, ctx: PolicyContext) -> RoutedPolicy:
-    index = MemoryBlockIndex(clock=ctx.clock)
+    return _build(name, ctx, MemoryBlockIndex(clock=ctx.clock))
+
+
+def build_config_pickers(name: str, ctx: PolicyContext, count: int) -> list[RoutedPolicy]:
+    """`count` pickers of one pool, as `epp serve --shared-state` replicas: each with its
+    own block index (fed every pod's events), view of the pods and learning, sharing
+    in-flight loads, routed prefixes and learned answers through one store."""
+    store = LocalPoolStore(clock=ctx.clock)
+    pickers = []
+    for i in range(count):
+        datastore = ctx.pool.datastore if i == 0 else ctx.pool.add_view()
+        index = MemoryBlockIndex(clock=ctx.clock)
+        shared = SharedPoolState(
+            store,
+            datastore,
+            index=index,
+            picker_id=f"picker-{i}",
+            notices=False,  # the simulation runs every exchange on its own schedule
+            registry=CollectorRegistry(),
+            clock=ctx.clock,
+        )
+        policy = _build(name, ctx, PublishingIndex(index, shared), index)
+        plugins = policy.scheduler.plugins.plugins  # type: ignore[attr-defined]
+        shared.share_learning(lambda plugins=plugins: plugins.values())
+        policy.datastore = datastore
+        policy.sync = shared.sync_once
+        pickers.append(policy)
+    return pickers
+
+
+def _build(
+    name: str, ctx: PolicyContext, index: Any, events_index: Any | None = None
+) -> RoutedPolicy:
+    """`index` is what the scheduler writes through; KV events go to `events_index`
+    (default: the same)."""
     ingest = IngestState()
     streams = {
-        address: PodEventStream(address, ctx.model, ingest, index, wall_clock=ctx.clock)
+        address: PodEventStream(
+            address, ctx.model, ingest, events_index or index, wall_clock=ctx.clock
+        )
         for address in ctx.pool.engines
     }
 
@@ -34,3 +77,6 @@ def build_config_policy(name: str, ctx: PolicyContext) -> RoutedPolicy:
         await streams[pod].handle(seq, payload)
 
     return RoutedPolicy(policy_label(name), scheduler, kv_events=deliver)
+
+
+__all__ = ["build_config_pickers", "build_config_policy"]
