@@ -48,6 +48,16 @@ log = logging.getLogger(__name__)
 # `SchedulingContext.kept` key: prompt tokens the KV index said the chosen pod holds.
 PREDICTED_CACHED_TOKENS = "prefix.predicted_cached_tokens"
 
+# A routed prompt's speculative index entries stand for blocks the pod has not computed
+# yet, so they should last until its KV events can confirm them: past its prefill. When
+# the policy predicts the request's TTFT (queue and prefill), they last this multiple of
+# it, at least `speculative_ttl_s` and at most `MAX_SPECULATIVE_TTL_S`; other pickers of
+# the pool receive them with the same life. The multiple covers the prediction's error
+# (README, "Prefixes in flight across pickers": the measured spread of TTFT over
+# predicted TTFT past saturation).
+SPECULATIVE_TTFT_MARGIN = 2.0
+MAX_SPECULATIVE_TTL_S = 60.0
+
 _BUCKETS = (
     0.00001, 0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005,
     0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
@@ -385,7 +395,7 @@ class PipelineScheduler:
             ctx.kept[PREDICTED_CACHED_TOKENS] = self._predicted_cached(ctx, chosen)
         for plugin in self._routing_hooks:
             plugin.on_routed(ctx, chosen)
-        self._speculate(ctx, chosen)
+        self._speculate(ctx, chosen, decision.predicted_ttft_s)
         # Only what the outcome hooks kept is needed until the response: drop the token
         # ids, index matches, block keys and per-pod scratch so thousands of requests in
         # flight stay cheap.
@@ -406,7 +416,9 @@ class PipelineScheduler:
         cacheable = (ctx.prompt_tokens - 1) // block * block
         return min(hit.blocks * block, cacheable)
 
-    def _speculate(self, ctx: SchedulingContext, chosen: PodState) -> None:
+    def _speculate(
+        self, ctx: SchedulingContext, chosen: PodState, predicted_ttft_s: float | None
+    ) -> None:
         speculate = getattr(self.prefix_matcher, "speculate", None)
         if (
             speculate is None
@@ -419,9 +431,12 @@ class PipelineScheduler:
         # The prefix lookup already cut the prompt into the pod's keys (when it knew the
         # pod's block size): they are the keys to mark.
         keys = ctx.prompt_keys.get(chosen.address) if ctx.prompt_keys is not None else None
+        ttl_s = self.speculative_ttl_s
+        if predicted_ttft_s is not None and predicted_ttft_s > 0:
+            due_s = SPECULATIVE_TTFT_MARGIN * predicted_ttft_s
+            ttl_s = max(ttl_s, min(MAX_SPECULATIVE_TTL_S, due_s))
         try:
-            speculate(ctx.token_ids, ctx.request, chosen.address, block_size,
-                      self.speculative_ttl_s, keys)  # fmt: skip
+            speculate(ctx.token_ids, ctx.request, chosen.address, block_size, ttl_s, keys)
         except Exception:  # a hint that could not be recorded must never fail the request
             log.exception("speculative index entry failed")
 
@@ -525,7 +540,8 @@ def build_scheduler(
     - `clock`: monotonic seconds, or a virtual clock in a replay.
     - `fallbacks`: extra endpoints, best-scored first, appended after the picker's choice.
     - `speculative_ttl_s`: how long a routed prompt's blocks count as held by the chosen
-      pod before its KV events confirm them (0 disables; needs an index).
+      pod before its KV events confirm them (0 disables; needs an index); longer for a
+      prompt the policy predicts to wait (`SPECULATIVE_TTFT_MARGIN`).
     - `registry` / `record_e2e`: where the duration histograms go; `record_e2e=False` when
       the caller already times the scheduling call under the same e2e metric name.
     """

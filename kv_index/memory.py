@@ -232,19 +232,24 @@ class MemoryBlockIndex:
             if slots is None:
                 spec[key] = {slot: expiry}
                 mask[key] = gpu_bit
-            else:
+            elif slots.get(slot, 0.0) < expiry:  # a shorter life never cuts a longer one
                 slots[slot] = expiry
                 mask[key] |= gpu_bit
+            else:
+                continue
             append(key)
         if fresh:
             heapq.heappush(self._spec_heap, (expiry, slot, tuple(fresh)))
         # A waiting request pins no blocks in vLLM: should the pod evict the held ones
         # before the request runs, it computes them again, so they stay held there (see
-        # remove_sync). Recorded in C for every key; two generations of `ttl_s` bound it.
+        # remove_sync). Recorded in C for every key; two generations bound it.
         if now >= self._routed_rotate_at:
             self._routed_previous = self._routed_current
             self._routed_current = {}
-            self._routed_rotate_at = now + ttl_s
+            # Entries that last longer (a prompt predicted to wait) keep the default's
+            # generations: the record grows with routed keys per generation, and a busy
+            # pool routes many.
+            self._routed_rotate_at = now + min(ttl_s, DEFAULT_SPECULATIVE_TTL_S)
         routed = self._routed_current.get(slot)
         if routed is None:
             routed = self._routed_current[slot] = {}

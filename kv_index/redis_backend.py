@@ -161,8 +161,12 @@ for i = 5, #ARGV do
     redis.call('ZADD', ns .. ':lru', 'XX', tick, k)  -- confirmed and about to be reused
   end
   -- Also speculative when confirmed: the pod may evict it before the request runs.
-  redis.call('HSET', hk, '~' .. pod, expiry)
-  redis.call('ZADD', specz, expiry, pod .. '|' .. k)
+  -- A shorter life never cuts a longer one (a prompt predicted to wait).
+  local held = tonumber(redis.call('HGET', hk, '~' .. pod))
+  if held == nil or held < tonumber(expiry) then
+    redis.call('HSET', hk, '~' .. pod, expiry)
+    redis.call('ZADD', specz, expiry, pod .. '|' .. k)
+  end
 end
 return 0
 """

@@ -143,6 +143,21 @@ async def test_speculative_entries_expire_unless_confirmed(backend: Backend) -> 
     assert await idx.lookup([1, 2]) == {"a": PrefixHit(2)}
 
 
+async def test_a_shorter_speculative_life_never_cuts_a_longer_one(backend: Backend) -> None:
+    # A prompt predicted to wait in the queue is held for longer than the default life;
+    # a later prompt with the same prefix, routed with a shorter one, must not cut it.
+    idx = backend.index
+    await idx.add_speculative("a", [1, 2, 3], ttl_s=10.0)
+    await idx.add_speculative("a", [1, 2], ttl_s=2.0)
+    backend.clock.now += 5.0
+    assert await idx.lookup([1, 2, 3]) == {"a": PrefixHit(3)}
+    await idx.add_speculative("a", [1], ttl_s=8.0)  # a longer one extends it
+    backend.clock.now += 6.0
+    assert await idx.lookup([1, 2, 3]) == {"a": PrefixHit(1)}
+    backend.clock.now += 3.0
+    assert await idx.lookup([1, 2, 3]) == {}
+
+
 async def test_a_prompt_routed_to_its_holder_stays_held_there_when_the_pod_evicts_it(
     backend: Backend,
 ) -> None:
