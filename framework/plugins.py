@@ -131,27 +131,29 @@ class OutcomeHook(ABC):
 
 @dataclass(frozen=True, slots=True)
 class LearnedSample:
-    """One answer a plugin learned from, in plain values, so that the instance of the same
-    plugin (by name) in another picker can learn from it too."""
+    """One record a plugin shares, in plain values, with the instance of the same plugin
+    (by name) in the other pickers: an answer it learned from, or (with `ref`, the
+    request's id) a request it routed or saw answered."""
 
     plugin: str
     pod: str
     values: tuple[float, ...]
+    ref: str = ""
 
 
 class SharedLearning(ABC):
     """Opt-in: a plugin whose learning is shared by the pickers of one pool (shared pool state).
-    Each picker hands on the answers its instance learned from and feeds its peers'
-    answers to its own, so that every picker learns from every answer, not a share."""
+    Each picker hands on the records its instance made and feeds its peers' records to its
+    own, so that every picker learns from every answer, not a share."""
 
     @abstractmethod
     def take_learned(self) -> list[LearnedSample]:
-        """The samples learned from since the last call (a bounded backlog)."""
+        """The records made since the last call (a bounded backlog)."""
 
     @abstractmethod
-    def learn_from_peers(self, samples: Sequence[LearnedSample]) -> None:
-        """Samples other pickers' instances of this plugin learned from; malformed ones
-        are counted and ignored."""
+    def learn_from_peers(self, samples: Sequence[LearnedSample], now: float) -> None:
+        """Records other pickers' instances of this plugin made, received at `now` (the
+        picker's clock); malformed ones are counted and ignored."""
 
 
 class DecisionHook(ABC):

@@ -122,6 +122,15 @@ MAX_SHARED_SAMPLES = 4096
 # A shared sample: TTFT, prompt tokens, cached tokens, and what was ahead on the pod
 # (tokens, attention pairs, running requests).
 SAMPLE_FIELDS = 6
+# A shared record about a request (`LearnedSample.ref` is its id) starts with its kind:
+# routed (then its uncached tokens, attention pairs, predicted prefill seconds and
+# predicted TTFT), or answered. Other pickers queue the requests a picker routed on their
+# own model of the pod's queue, as it does, and take them off when it hears the answer.
+REQUEST_ROUTED, REQUEST_ANSWERED = 1.0, 0.0
+ROUTED_FIELDS = 5
+# A peer's request whose answer never reaches this picker (the peer died) leaves the
+# queue model this long after its predicted first token; by then it adds nothing ahead.
+PEER_REQUEST_GRACE_S = 10.0
 # Far below any difference predictions resolve (a million tokens: a microsecond), so it
 # only orders pods whose prices are otherwise equal.
 TIE_BREAK_S_PER_TOKEN = 1e-12
@@ -195,6 +204,8 @@ class PodModel:
     recent_prefill_s: float = 0.0
     # Requests running on the pod as the last decision priced it (scrape and sends).
     last_running: float = 0.0
+    # Of `queue.items`, the requests other pickers routed (shared pool state).
+    peer_requests: int = 0
 
     def routed_prefill_s(self, now: float) -> float:
         """Predicted prefill seconds this gateway routed to the pod in the last window."""
@@ -359,6 +370,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             params.forgetting,
         )
         self._pending: OrderedDict[str, Routed] = OrderedDict()
+        # Other pickers' requests on this scorer's queue models: (leave at, pod, id).
+        self._peer_requests: deque[tuple[float, str, str]] = deque()
         self.mean_uncached_tokens = params.meanPromptTokens
         self.mean_uncached_pairs = 0.5 * params.meanPromptTokens**2
         self.mean_prompt_tokens = params.meanPromptTokens
@@ -461,6 +474,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         # candidate of every request (256 pods must stay well under a millisecond).
         p = self.params
         now = ctx.now
+        if self._peer_requests and self._peer_requests[0][0] <= now:
+            self._expire_peer_requests(now)  # also while the shared state is away
         prompt = float(ctx.prompt_tokens)
         prompt_len = ctx.prompt_tokens
         adapter = ctx.request.adapter
@@ -539,13 +554,16 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                 queued = 0
                 others = waiting
             peer_prefilling = pod.inflight.peer_prefilling
+            if model is not None and model.peer_requests:
+                # Those on the queue model are placed there already.
+                peer_prefilling = max(0, peer_prefilling - model.peer_requests)
             if others > 0 and peer_prefilling > 0:
                 # Of the scraped waiting requests this gateway did not send, other pickers'
                 # (shared pool state) are of known size. Only as many as the pod reports
                 # waiting: a peer hears of a first token late (with its access log), so
                 # its prefilling count alone would hold requests long answered.
                 peer_waiting = min(others, peer_prefilling)
-                peer_mean = pod.inflight.peer_prefilling_tokens / peer_prefilling
+                peer_mean = pod.inflight.peer_prefilling_tokens / pod.inflight.peer_prefilling
                 tokens_ahead += peer_waiting * peer_mean
                 pairs_ahead += peer_waiting * 0.5 * peer_mean * peer_mean
                 queued += peer_waiting
@@ -789,6 +807,14 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         model.queue.items[request_id] = Inflight(
             tokens, pairs, now, max(prefill_s, 1e-6), now + prediction.ttft_s[i]
         )
+        self._to_share.append(
+            LearnedSample(
+                self.name,
+                address,
+                (REQUEST_ROUTED, tokens, pairs, max(prefill_s, 1e-6), prediction.ttft_s[i]),
+                request_id,
+            )
+        )
         keys = prediction.chunk_keys[i] if prediction.chunk_keys else ()
         self.routed_prefixes.add(keys, address, ctx.now)
         self._watch_prefill(ctx, address)
@@ -851,6 +877,9 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             model = self.pods[address] = PodModel()
         model.queue.items.pop(ctx.request.request_id, None)
         model.finished_at.append(now)
+        self._to_share.append(
+            LearnedSample(self.name, address, (REQUEST_ANSWERED,), ctx.request.request_id)
+        )
         if not ok:
             return
         prompt_tokens = usage.prompt_tokens if usage is not None and usage.prompt_tokens else 0
@@ -913,15 +942,69 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         self._to_share.clear()
         return taken
 
-    def learn_from_peers(self, samples: Sequence[LearnedSample]) -> None:
+    def learn_from_peers(self, samples: Sequence[LearnedSample], now: float) -> None:
         """Other pickers' answers teach this learner as its own do: every picker then
         fits the pool's cost shape and each pod's speed from all of the pool's answers,
-        so replicas price pods alike instead of each from its third of them."""
+        so replicas price pods alike instead of each from its third of them. The requests
+        they route join this scorer's model of the pod's queue, as its own do, until they
+        hear the answer: each picker then prices what waits ahead on a pod from the whole
+        pool's requests, not from a third of them and a count of the rest."""
+        self._expire_peer_requests(now)
         for sample in samples:
             values = sample.values
+            if sample.ref:
+                if not self._peer_request(sample, now):
+                    self.rejected_samples += 1
+                continue
             if len(values) != SAMPLE_FIELDS or not all(math.isfinite(v) and v >= 0 for v in values):
                 self.rejected_samples += 1
                 continue
             ttft_s, prompt, cached, tokens_ahead, pairs_ahead, running = values
             ahead = Snapshot(tokens_ahead, pairs_ahead, running)
             self.learner.observe(sample.pod, ttft_s, int(prompt), int(cached), ahead)
+
+    def _peer_request(self, sample: LearnedSample, now: float) -> bool:
+        """Applies another picker's record about one of its requests; False if malformed."""
+        values, address, request_id = sample.values, sample.pod, sample.ref
+        if not values or not all(math.isfinite(v) and v >= 0 for v in values):
+            return False
+        if request_id in self._pending:
+            return True  # this picker's own request: its own record is exact
+        if values[0] == REQUEST_ROUTED and len(values) == ROUTED_FIELDS:
+            _, tokens, pairs, prefill_s, ttft_s = values
+            model = self.pods.get(address)
+            if model is None:
+                model = self.pods[address] = PodModel()
+            if request_id not in model.queue.items:
+                model.peer_requests += 1
+            model.queue.items[request_id] = Inflight(
+                tokens, pairs, now, max(prefill_s, 1e-6), now + ttft_s
+            )
+            self._peer_requests.append((now + ttft_s + PEER_REQUEST_GRACE_S, address, request_id))
+            if len(self._peer_requests) > MAX_PENDING:
+                _, old_address, old_id = self._peer_requests.popleft()
+                self._drop_peer_request(old_address, old_id, None)
+            return True
+        if values[0] == REQUEST_ANSWERED and len(values) == 1:
+            self._drop_peer_request(address, request_id, now)
+            return True
+        return False
+
+    def _drop_peer_request(self, address: str, request_id: str, answered_at: float | None) -> None:
+        model = self.pods.get(address)
+        if model is None or request_id in self._pending:
+            return
+        if model.queue.items.pop(request_id, None) is not None:
+            model.peer_requests -= 1
+            if answered_at is not None:
+                model.finished_at.append(answered_at)
+
+    def _expire_peer_requests(self, now: float) -> None:
+        expiring = self._peer_requests
+        while expiring and expiring[0][0] <= now:
+            _, address, request_id = expiring.popleft()
+            model = self.pods.get(address)
+            item = model.queue.items.get(request_id) if model is not None else None
+            # A record routed again since (a later, longer life) keeps it.
+            if item is not None and item.done_at + PEER_REQUEST_GRACE_S <= now:
+                self._drop_peer_request(address, request_id, None)

@@ -220,7 +220,13 @@ class PeerView:
 
 
 def encode_learned(samples: Sequence[LearnedSample]) -> str:
-    return json.dumps([[s.plugin, s.pod, list(s.values)] for s in samples])
+    rows: list[list[object]] = []
+    for s in samples:
+        row: list[object] = [s.plugin, s.pod, list(s.values)]
+        if s.ref:
+            row.append(s.ref)
+        rows.append(row)
+    return json.dumps(rows)
 
 
 def decode_learned(blob: str | bytes) -> list[LearnedSample]:
@@ -229,9 +235,13 @@ def decode_learned(blob: str | bytes) -> list[LearnedSample]:
     try:
         rows = json.loads(blob)
         samples = [
-            LearnedSample(str(plugin), str(pod), tuple(float(v) for v in values))
-            for plugin, pod, values in rows
+            LearnedSample(str(plugin), str(pod), tuple(float(v) for v in values), str(ref[0]))
+            if ref
+            else LearnedSample(str(plugin), str(pod), tuple(float(v) for v in values))
+            for plugin, pod, values, *ref in rows
         ]
+        if any(len(row) > 4 for row in rows):
+            raise ValueError("a row has more than four fields")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"malformed learned-sample batch: {exc}") from exc
     if not all(math.isfinite(v) for s in samples for v in s.values):

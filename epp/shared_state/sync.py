@@ -26,8 +26,9 @@ and is the fallback while the notices' connection is down.
 
 Peers' loads are folded into the datastore's per-pod in-flight counts; their routed
 prefixes go into the local block index as speculative entries with what is left of
-their expiry; the answers their learning plugins learned from go to this picker's
-instance of the same plugin (`SharedLearning`), so every picker learns from them all;
+their expiry; the records their learning plugins made (answers learned from, requests
+routed and answered) go to this picker's instance of the same plugin (`SharedLearning`),
+so every picker learns from them all and prices the pods' queues with all their requests;
 their /metrics scrapes are applied as this picker's own (`scrapes.ScrapeSharing`).
 
 Store outage: an exchange that fails or times out marks the store down (one log line,
@@ -124,8 +125,9 @@ class SharedStateMetrics:
         )
         self.learned = Counter(
             "smart_epp_shared_state_learned_samples_total",
-            "Answers learned from: published by this picker, applied from its peers, or "
-            "dropped (a malformed batch counts once)",
+            "Learning plugins' records (answers learned from, requests routed and answered): "
+            "published by this picker, applied from its peers, or dropped (a malformed "
+            "batch counts once)",
             ["direction"],
             registry=registry,
         )
@@ -582,7 +584,7 @@ class SharedPoolState:
                 if learner is None:
                     self.metrics.learned.labels("dropped").inc(len(samples))
                     continue
-                learner.learn_from_peers(samples)
+                learner.learn_from_peers(samples, self._clock())
                 self.metrics.learned.labels("applied").inc(len(samples))
         if self.scrape_sharing is not None:
             self.scrape_sharing.exchanged(view)

@@ -8,11 +8,14 @@ import pytest
 from sched_helpers import pod, request
 
 from smart_epp.epp.config import plugin_types
-from smart_epp.framework.plugins import SchedulingContext
+from smart_epp.framework.plugins import LearnedSample, SchedulingContext
 from smart_epp.framework.types import Outcome, PrefixHit, Usage
 from smart_epp.kv_index.keys import KeyScope, block_keys
 from smart_epp.kv_index.progress import PrefillProgress
 from smart_epp.scorers.predicted_ttft_scorer import (
+    PEER_REQUEST_GRACE_S,
+    REQUEST_ANSWERED,
+    REQUEST_ROUTED,
     PredictedTTFTScorer,
     RoutedPrefixes,
     reusable_tokens,
@@ -636,3 +639,66 @@ def test_decode_crowding_moves_a_follower_off_a_crowded_pod_only_when_priced():
     assert comp["a:1"]["decode_stall_s"] == pytest.approx(0.1 * 60 * 16 / RATE)
     assert comp["a:1"]["decode_crowding_s"] == pytest.approx(crowding * 60)
     assert comp["b:1"]["decode_crowding_s"] == pytest.approx(crowding * 2)
+
+
+def _peer_pair():
+    """Two pickers' instances of the scorer, the second fed the first's records as the
+    shared pool state does."""
+    routing, peer = scorer(overheadSeconds=0.0), scorer(overheadSeconds=0.0)
+    peer.take_learned()
+    return routing, peer
+
+
+def test_a_peers_routed_request_waits_ahead_on_this_pickers_queue_model_until_answered():
+    routing, peer = _peer_pair()
+    a, b = pod("a:1"), pod("b:1")
+    first = ctx(4000, now=100.0)
+    routing.score(first, [a, b])
+    routing.on_routed(first, b)
+    peer.learn_from_peers(routing.take_learned(), now=100.02)
+    # The peer prices b's queue with the 4000-token prompt ahead, as the router does:
+    # taken to drain over its predicted prefill from when the peer heard of it.
+    c = ctx(1000, now=100.03, prompt=1)
+    peer.score(c, [a, b])
+    assert c.components["b:1"]["queued"] == 1.0
+    assert c.components["b:1"]["wait_s"] == pytest.approx(4000 / RATE - 0.01, rel=0.01)
+    assert c.components["a:1"]["wait_s"] == 0.0
+    # Its answer takes it off the peer's model too.
+    routing.on_outcome(first, Outcome("b:1", True, 200, None, None, now=100.5))
+    peer.learn_from_peers(routing.take_learned(), now=100.52)
+    after = ctx(1000, now=100.53, prompt=1)
+    peer.score(after, [a, b])
+    assert after.components["b:1"]["queued"] == 0.0
+    assert peer.rejected_samples == 0
+
+
+def test_a_peers_request_whose_answer_never_comes_leaves_after_its_predicted_ttft():
+    routing, peer = _peer_pair()
+    b = pod("b:1")
+    first = ctx(4000, now=100.0)
+    routing.score(first, [b])
+    predicted = first.components["b:1"]["ttft_s"]
+    routing.on_routed(first, b)
+    peer.learn_from_peers(routing.take_learned(), now=100.0)
+    assert peer.pods["b:1"].queue.items and peer.pods["b:1"].peer_requests == 1
+    peer.learn_from_peers([], now=100.0 + predicted + PEER_REQUEST_GRACE_S - 0.1)
+    assert peer.pods["b:1"].peer_requests == 1
+    peer.learn_from_peers([], now=100.0 + predicted + PEER_REQUEST_GRACE_S + 0.1)
+    assert not peer.pods["b:1"].queue.items and peer.pods["b:1"].peer_requests == 0
+
+
+def test_malformed_request_records_are_counted_and_change_nothing():
+    _, peer = _peer_pair()
+    bad = [
+        LearnedSample("ttft", "b:1", (REQUEST_ROUTED, 1.0, 1.0), "r1"),  # too short
+        LearnedSample("ttft", "b:1", (REQUEST_ROUTED, -1.0, 1.0, 1.0, 1.0), "r2"),
+        LearnedSample("ttft", "b:1", (7.0,), "r3"),  # no such kind
+        LearnedSample("ttft", "b:1", (REQUEST_ANSWERED, float("nan")), "r4"),
+    ]
+    peer.learn_from_peers(bad, now=100.0)
+    assert peer.rejected_samples == 4
+    assert all(not m.queue.items for m in peer.pods.values())
+    # An answer for a request never heard of is not an error: it was routed before this
+    # picker joined, or its record was dropped.
+    peer.learn_from_peers([LearnedSample("ttft", "b:1", (REQUEST_ANSWERED,), "r5")], now=100.0)
+    assert peer.rejected_samples == 4

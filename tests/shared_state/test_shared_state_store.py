@@ -22,6 +22,7 @@ from smart_epp.epp.shared_state.store import (
     PoolStateStore,
     RoutedEntry,
     SharedScrape,
+    decode_learned,
     decode_scrape,
     encode_learned,
     encode_scrape,
@@ -240,3 +241,12 @@ async def test_change_notices_go_to_the_other_pickers_only_when_asked(
         for watch in watches:
             watch.cancel()
         await asyncio.gather(*watches, return_exceptions=True)
+
+
+def test_records_about_a_request_keep_its_id_and_rows_of_other_shapes_are_refused() -> None:
+    routed = LearnedSample("ttft", "pod1", (1.0, 900.0, 4.0e5, 0.09, 0.3), "req-7")
+    answer = LearnedSample("ttft", "pod1", (0.1, 100.0, 0.0, 0.0, 0.0, 0.0))
+    assert decode_learned(encode_learned([routed, answer])) == [routed, answer]
+    for blob in ('[["ttft", "pod1", [1.0], "req-7", "extra"]]', '[["ttft", "pod1"]]'):
+        with pytest.raises(ValueError, match="malformed"):
+            decode_learned(blob)

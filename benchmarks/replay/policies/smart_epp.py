@@ -5,6 +5,7 @@ sharing state through the real shared-state code and an in-process store."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -17,6 +18,8 @@ from ....kv_index.memory import MemoryBlockIndex
 from ....kv_index.subscriber import PodEventStream
 from ..sim import RoutedPolicy
 from .context import PolicyContext, policy_label
+
+PICKER_SEED_STRIDE = 7919  # a prime: pickers' seeds stay apart from other runs' seeds
 
 
 def build_config_policy(name: str, ctx: PolicyContext) -> RoutedPolicy:
@@ -41,7 +44,9 @@ def build_config_pickers(name: str, ctx: PolicyContext, count: int) -> list[Rout
             registry=CollectorRegistry(),
             clock=ctx.clock,
         )
-        policy = _build(name, ctx, PublishingIndex(index, shared), index)
+        # Each replica draws its own coin tosses (ties), as separate processes do.
+        own = ctx if i == 0 else dataclasses.replace(ctx, seed=ctx.seed + PICKER_SEED_STRIDE * i)
+        policy = _build(name, own, PublishingIndex(index, shared), index)
         plugins = policy.scheduler.plugins.plugins  # type: ignore[attr-defined]
         shared.share_learning(lambda plugins=plugins: plugins.values())
         policy.datastore = datastore
