@@ -70,6 +70,7 @@ Score = min_cost / cost, so the best pod scores 1 and the plugin mixes with othe
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -370,8 +371,9 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             params.forgetting,
         )
         self._pending: OrderedDict[str, Routed] = OrderedDict()
-        # Other pickers' requests on this scorer's queue models: (leave at, pod, id).
-        self._peer_requests: deque[tuple[float, str, str]] = deque()
+        # Other pickers' requests on this scorer's queue models, a heap of (leave at, pod,
+        # id): the soonest to leave first.
+        self._peer_requests: list[tuple[float, str, str]] = []
         self.mean_uncached_tokens = params.meanPromptTokens
         self.mean_uncached_pairs = 0.5 * params.meanPromptTokens**2
         self.mean_prompt_tokens = params.meanPromptTokens
@@ -980,9 +982,10 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             model.queue.items[request_id] = Inflight(
                 tokens, pairs, now, max(prefill_s, 1e-6), now + ttft_s
             )
-            self._peer_requests.append((now + ttft_s + PEER_REQUEST_GRACE_S, address, request_id))
+            leave = (now + ttft_s + PEER_REQUEST_GRACE_S, address, request_id)
+            heapq.heappush(self._peer_requests, leave)
             if len(self._peer_requests) > MAX_PENDING:
-                _, old_address, old_id = self._peer_requests.popleft()
+                _, old_address, old_id = heapq.heappop(self._peer_requests)
                 self._drop_peer_request(old_address, old_id, None)
             return True
         if values[0] == REQUEST_ANSWERED and len(values) == 1:
@@ -1002,7 +1005,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
     def _expire_peer_requests(self, now: float) -> None:
         expiring = self._peer_requests
         while expiring and expiring[0][0] <= now:
-            _, address, request_id = expiring.popleft()
+            _, address, request_id = heapq.heappop(expiring)
             model = self.pods.get(address)
             item = model.queue.items.get(request_id) if model is not None else None
             # A record routed again since (a later, longer life) keeps it.

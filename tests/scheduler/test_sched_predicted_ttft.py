@@ -685,6 +685,12 @@ def test_a_peers_request_whose_answer_never_comes_leaves_after_its_predicted_ttf
     assert peer.pods["b:1"].peer_requests == 1
     peer.learn_from_peers([], now=100.0 + predicted + PEER_REQUEST_GRACE_S + 0.1)
     assert not peer.pods["b:1"].queue.items and peer.pods["b:1"].peer_requests == 0
+    # Each leaves at its own time, whatever order they were heard in.
+    slow = LearnedSample("ttft", "b:1", (REQUEST_ROUTED, 1.0, 1.0, 0.1, 50.0), "slow")
+    fast = LearnedSample("ttft", "b:1", (REQUEST_ROUTED, 1.0, 1.0, 0.1, 1.0), "fast")
+    peer.learn_from_peers([slow, fast], now=200.0)
+    peer.learn_from_peers([], now=200.0 + 1.0 + PEER_REQUEST_GRACE_S + 0.1)
+    assert list(peer.pods["b:1"].queue.items) == ["slow"]
 
 
 def test_malformed_request_records_are_counted_and_change_nothing():
