@@ -147,8 +147,9 @@ class SharedLearning(ABC):
     own, so that every picker learns from every answer, not a share."""
 
     @abstractmethod
-    def take_learned(self) -> list[LearnedSample]:
-        """The records made since the last call (a bounded backlog)."""
+    def take_learned(self, now: float) -> list[LearnedSample]:
+        """The records made since the last call (a bounded backlog), as of `now` (the
+        picker's clock: a record that carries a time hands it on as an age)."""
 
     @abstractmethod
     def learn_from_peers(self, samples: Sequence[LearnedSample], now: float) -> None:

@@ -74,7 +74,7 @@ import heapq
 import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pydantic import Field
 
@@ -124,11 +124,12 @@ MAX_SHARED_SAMPLES = 4096
 # (tokens, attention pairs, running requests).
 SAMPLE_FIELDS = 6
 # A shared record about a request (`LearnedSample.ref` is its id) starts with its kind:
-# routed (then its uncached tokens, attention pairs, predicted prefill seconds and
-# predicted TTFT), or answered. Other pickers queue the requests a picker routed on their
-# own model of the pod's queue, as it does, and take them off when it hears the answer.
+# routed (then its uncached tokens, attention pairs, predicted prefill seconds, predicted
+# TTFT and its age when handed on), or answered. Other pickers queue the requests a picker
+# routed on their own model of the pod's queue, as it does, and take them off when it
+# hears the answer.
 REQUEST_ROUTED, REQUEST_ANSWERED = 1.0, 0.0
-ROUTED_FIELDS = 5
+ROUTED_FIELDS = 6
 # A peer's request whose answer never reaches this picker (the peer died) leaves the
 # queue model this long after its predicted first token; by then it adds nothing ahead.
 PEER_REQUEST_GRACE_S = 10.0
@@ -809,14 +810,9 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         model.queue.items[request_id] = Inflight(
             tokens, pairs, now, max(prefill_s, 1e-6), now + prediction.ttft_s[i]
         )
-        self._to_share.append(
-            LearnedSample(
-                self.name,
-                address,
-                (REQUEST_ROUTED, tokens, pairs, max(prefill_s, 1e-6), prediction.ttft_s[i]),
-                request_id,
-            )
-        )
+        # The last value is when it was routed, handed on as its age (`take_learned`).
+        routed = (REQUEST_ROUTED, tokens, pairs, max(prefill_s, 1e-6), prediction.ttft_s[i], now)
+        self._to_share.append(LearnedSample(self.name, address, routed, request_id))
         keys = prediction.chunk_keys[i] if prediction.chunk_keys else ()
         self.routed_prefixes.add(keys, address, ctx.now)
         self._watch_prefill(ctx, address)
@@ -939,8 +935,13 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             )
         )
 
-    def take_learned(self) -> list[LearnedSample]:
-        taken = list(self._to_share)
+    def take_learned(self, now: float) -> list[LearnedSample]:
+        taken = [
+            replace(s, values=(*s.values[:-1], max(0.0, now - s.values[-1])))
+            if s.ref and s.values[0] == REQUEST_ROUTED
+            else s
+            for s in self._to_share
+        ]
         self._to_share.clear()
         return taken
 
@@ -973,16 +974,18 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         if request_id in self._pending:
             return True  # this picker's own request: its own record is exact
         if values[0] == REQUEST_ROUTED and len(values) == ROUTED_FIELDS:
-            _, tokens, pairs, prefill_s, ttft_s = values
+            _, tokens, pairs, prefill_s, ttft_s, age_s = values
             model = self.pods.get(address)
             if model is None:
                 model = self.pods[address] = PodModel()
             if request_id not in model.queue.items:
                 model.peer_requests += 1
+            routed_at = now - age_s
+            done_at = routed_at + ttft_s
             model.queue.items[request_id] = Inflight(
-                tokens, pairs, now, max(prefill_s, 1e-6), now + ttft_s
+                tokens, pairs, routed_at, max(prefill_s, 1e-6), done_at, peer=True
             )
-            leave = (now + ttft_s + PEER_REQUEST_GRACE_S, address, request_id)
+            leave = (done_at + PEER_REQUEST_GRACE_S, address, request_id)
             heapq.heappush(self._peer_requests, leave)
             if len(self._peer_requests) > MAX_PENDING:
                 _, old_address, old_id = heapq.heappop(self._peer_requests)

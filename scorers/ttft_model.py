@@ -197,6 +197,10 @@ class Inflight:
     prefill_s: float  # its own predicted prefill time
     done_at: float  # when the model expected its first token
     admitted_at: float | None = None  # the first scrape that no longer counted it waiting
+    # Another picker's request (shared pool state): heard of after it was sent, perhaps
+    # answered already, so one sent after the pod's last scrape is taken to drain over its
+    # predicted prefill rather than to wait in full.
+    peer: bool = False
 
     def share_before_first_token(self, now: float) -> float:
         """Share of its prefill still ahead, taken to drain over its predicted prefill
@@ -273,6 +277,13 @@ class PodQueue:
                     tokens += frac * item.tokens
                     pairs += frac * item.pairs
                     continue
+            elif item.peer:
+                frac = item.share_before_first_token(now)
+                if frac > 0:
+                    tokens += frac * item.tokens
+                    pairs += frac * item.pairs
+                    count += 1
+                continue
             tokens += item.tokens
             pairs += item.pairs
             count += 1
@@ -311,6 +322,11 @@ class PodQueue:
                 frac = item.share_since_admitted(scraped_at, now)
                 if frac <= 0:
                     continue
+            elif item.peer and not before_scrape:
+                frac = item.share_before_first_token(now)
+                if frac <= 0:
+                    continue
+                count += 1
             else:
                 if before_scrape:
                     waiting -= 1

@@ -462,7 +462,7 @@ class SharedPoolState:
                 if self._published.get(address, PodLoad()) != load:
                     loads[address] = load
         for learner in self._learners().values():
-            self._learned_outbox.extend(learner.take_learned())
+            self._learned_outbox.extend(learner.take_learned(now))
         notify = False
         news = self._added or routed or self._replace or self._owe_notice or self._new_scrape
         self._new_scrape = False

@@ -645,7 +645,7 @@ def _peer_pair():
     """Two pickers' instances of the scorer, the second fed the first's records as the
     shared pool state does."""
     routing, peer = scorer(overheadSeconds=0.0), scorer(overheadSeconds=0.0)
-    peer.take_learned()
+    peer.take_learned(0.0)
     return routing, peer
 
 
@@ -655,17 +655,18 @@ def test_a_peers_routed_request_waits_ahead_on_this_pickers_queue_model_until_an
     first = ctx(4000, now=100.0)
     routing.score(first, [a, b])
     routing.on_routed(first, b)
-    peer.learn_from_peers(routing.take_learned(), now=100.02)
+    peer.learn_from_peers(routing.take_learned(100.01), now=100.01)
     # The peer prices b's queue with the 4000-token prompt ahead, as the router does:
-    # taken to drain over its predicted prefill from when the peer heard of it.
+    # taken to drain over its predicted prefill from when it was routed (handed on with
+    # its age), not from when the peer heard of it.
     c = ctx(1000, now=100.03, prompt=1)
     peer.score(c, [a, b])
     assert c.components["b:1"]["queued"] == 1.0
-    assert c.components["b:1"]["wait_s"] == pytest.approx(4000 / RATE - 0.01, rel=0.01)
+    assert c.components["b:1"]["wait_s"] == pytest.approx(4000 / RATE - 0.03, rel=0.01)
     assert c.components["a:1"]["wait_s"] == 0.0
     # Its answer takes it off the peer's model too.
     routing.on_outcome(first, Outcome("b:1", True, 200, None, None, now=100.5))
-    peer.learn_from_peers(routing.take_learned(), now=100.52)
+    peer.learn_from_peers(routing.take_learned(100.51), now=100.52)
     after = ctx(1000, now=100.53, prompt=1)
     peer.score(after, [a, b])
     assert after.components["b:1"]["queued"] == 0.0
@@ -679,15 +680,15 @@ def test_a_peers_request_whose_answer_never_comes_leaves_after_its_predicted_ttf
     routing.score(first, [b])
     predicted = first.components["b:1"]["ttft_s"]
     routing.on_routed(first, b)
-    peer.learn_from_peers(routing.take_learned(), now=100.0)
+    peer.learn_from_peers(routing.take_learned(100.0), now=100.0)
     assert peer.pods["b:1"].queue.items and peer.pods["b:1"].peer_requests == 1
     peer.learn_from_peers([], now=100.0 + predicted + PEER_REQUEST_GRACE_S - 0.1)
     assert peer.pods["b:1"].peer_requests == 1
     peer.learn_from_peers([], now=100.0 + predicted + PEER_REQUEST_GRACE_S + 0.1)
     assert not peer.pods["b:1"].queue.items and peer.pods["b:1"].peer_requests == 0
     # Each leaves at its own time, whatever order they were heard in.
-    slow = LearnedSample("ttft", "b:1", (REQUEST_ROUTED, 1.0, 1.0, 0.1, 50.0), "slow")
-    fast = LearnedSample("ttft", "b:1", (REQUEST_ROUTED, 1.0, 1.0, 0.1, 1.0), "fast")
+    slow = LearnedSample("ttft", "b:1", (REQUEST_ROUTED, 1.0, 1.0, 0.1, 50.0, 0.0), "slow")
+    fast = LearnedSample("ttft", "b:1", (REQUEST_ROUTED, 1.0, 1.0, 0.1, 1.0, 0.0), "fast")
     peer.learn_from_peers([slow, fast], now=200.0)
     peer.learn_from_peers([], now=200.0 + 1.0 + PEER_REQUEST_GRACE_S + 0.1)
     assert list(peer.pods["b:1"].queue.items) == ["slow"]
@@ -697,7 +698,7 @@ def test_malformed_request_records_are_counted_and_change_nothing():
     _, peer = _peer_pair()
     bad = [
         LearnedSample("ttft", "b:1", (REQUEST_ROUTED, 1.0, 1.0), "r1"),  # too short
-        LearnedSample("ttft", "b:1", (REQUEST_ROUTED, -1.0, 1.0, 1.0, 1.0), "r2"),
+        LearnedSample("ttft", "b:1", (REQUEST_ROUTED, -1.0, 1.0, 1.0, 1.0, 0.0), "r2"),
         LearnedSample("ttft", "b:1", (7.0,), "r3"),  # no such kind
         LearnedSample("ttft", "b:1", (REQUEST_ANSWERED, float("nan")), "r4"),
     ]

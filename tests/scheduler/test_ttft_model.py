@@ -251,3 +251,18 @@ def test_queue_ahead_follows_the_prefill_the_pods_events_show():
     # More waiting than this gateway's requests explain: the rest came from elsewhere.
     # r3 and the requests that have started since (r2, r0) may have been among the four.
     assert q.ahead(30.0, waiting=4, scraped_at=29.0, progress=progress)[3] == 1
+
+
+def test_another_pickers_request_sent_after_the_scrape_drains_over_its_prediction():
+    # This picker's own request sent after the pod's last scrape is waiting in full; one
+    # another picker sent then was heard of late and may have been answered already, so
+    # it drains over its predicted prefill and adds nothing past its predicted first token.
+    progress = PrefillProgress()
+    for peer in (False, True):
+        q = PodQueue()
+        q.items["r"] = Inflight(1000.0, attention_pairs(1000, 0), 10.0, 0.4, 10.4, peer=peer)
+        expected = {10.2: 500.0, 10.5: 0.0} if peer else {10.2: 1000.0, 10.5: 1000.0}
+        for now, tokens in expected.items():
+            assert q.ahead(now, waiting=0, scraped_at=9.9)[0] == pytest.approx(tokens)
+            with_events = q.ahead(now, waiting=0, scraped_at=9.9, progress=progress)
+            assert with_events[0] == pytest.approx(tokens)
