@@ -187,6 +187,12 @@ class PredictedTTFTParams(PluginParams):
     # 300 gave identical grids, README "Prefixes in flight"). 0 turns it off.
     routedPrefixSeconds: float = Field(default=60.0, ge=0)
     routedPrefixChunkTokens: int = Field(default=256, ge=1)
+    # With shared pool state, hand each routed request and its answer to the other
+    # pickers, and put theirs on this picker's queue model. Off by default: in the replay
+    # it brings three pickers to one picker's TTFT, but live past saturation it placed
+    # the groups of a shared-prefix workload worse than without it (README, "Several
+    # pickers, one queue").
+    sharedQueue: bool = False
     staleAfterSeconds: float = Field(default=1.0, gt=0)
     blockSize: int | None = Field(default=None, gt=0)
 
@@ -810,9 +816,17 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         model.queue.items[request_id] = Inflight(
             tokens, pairs, now, max(prefill_s, 1e-6), now + prediction.ttft_s[i]
         )
-        # The last value is when it was routed, handed on as its age (`take_learned`).
-        routed = (REQUEST_ROUTED, tokens, pairs, max(prefill_s, 1e-6), prediction.ttft_s[i], now)
-        self._to_share.append(LearnedSample(self.name, address, routed, request_id))
+        if self.params.sharedQueue:
+            # The last value is when it was routed, handed on as its age (`take_learned`).
+            routed = (
+                REQUEST_ROUTED,
+                tokens,
+                pairs,
+                max(prefill_s, 1e-6),
+                prediction.ttft_s[i],
+                now,
+            )
+            self._to_share.append(LearnedSample(self.name, address, routed, request_id))
         keys = prediction.chunk_keys[i] if prediction.chunk_keys else ()
         self.routed_prefixes.add(keys, address, ctx.now)
         self._watch_prefill(ctx, address)
@@ -875,9 +889,10 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             model = self.pods[address] = PodModel()
         model.queue.items.pop(ctx.request.request_id, None)
         model.finished_at.append(now)
-        self._to_share.append(
-            LearnedSample(self.name, address, (REQUEST_ANSWERED,), ctx.request.request_id)
-        )
+        if self.params.sharedQueue:
+            self._to_share.append(
+                LearnedSample(self.name, address, (REQUEST_ANSWERED,), ctx.request.request_id)
+            )
         if not ok:
             return
         prompt_tokens = usage.prompt_tokens if usage is not None and usage.prompt_tokens else 0
@@ -956,7 +971,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         for sample in samples:
             values = sample.values
             if sample.ref:
-                if not self._peer_request(sample, now):
+                # A peer with `sharedQueue` on, and this picker with it off: not applied.
+                if self.params.sharedQueue and not self._peer_request(sample, now):
                     self.rejected_samples += 1
                 continue
             if len(values) != SAMPLE_FIELDS or not all(math.isfinite(v) and v >= 0 for v in values):

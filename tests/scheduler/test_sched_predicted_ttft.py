@@ -642,11 +642,23 @@ def test_decode_crowding_moves_a_follower_off_a_crowded_pod_only_when_priced():
 
 
 def _peer_pair():
-    """Two pickers' instances of the scorer, the second fed the first's records as the
-    shared pool state does."""
-    routing, peer = scorer(overheadSeconds=0.0), scorer(overheadSeconds=0.0)
+    """Two pickers' instances of the scorer with `sharedQueue` on, the second fed the
+    first's records as the shared pool state does."""
+    routing = scorer(overheadSeconds=0.0, sharedQueue=True)
+    peer = scorer(overheadSeconds=0.0, sharedQueue=True)
     peer.take_learned(0.0)
     return routing, peer
+
+
+def test_by_default_requests_are_neither_handed_on_nor_taken_from_peers():
+    routing, peer = scorer(overheadSeconds=0.0), scorer(overheadSeconds=0.0)
+    first = ctx(4000, now=100.0)
+    routing.score(first, [pod("b:1")])
+    routing.on_routed(first, pod("b:1"))
+    assert routing.take_learned(100.0) == []
+    record = LearnedSample("ttft", "b:1", (REQUEST_ROUTED, 4000.0, 8e6, 0.4, 0.4, 0.0), "r")
+    peer.learn_from_peers([record], now=100.0)
+    assert not peer.pods and peer.rejected_samples == 0
 
 
 def test_a_peers_routed_request_waits_ahead_on_this_pickers_queue_model_until_answered():
