@@ -251,7 +251,7 @@ class Simulation:
         self.flows = [
             RequestFlow(
                 picker.scheduler,
-                picker.datastore or self.pool.datastore,
+                self.pool.datastore if picker.datastore is None else picker.datastore,
                 clock=self._clock,
                 hooks=hooks,
                 admission=self.admission,
