@@ -235,9 +235,9 @@ def decode_learned(blob: str | bytes) -> list[LearnedSample]:
     try:
         rows = json.loads(blob)
         samples = [
-            LearnedSample(str(plugin), str(pod), tuple(float(v) for v in values), str(ref[0]))
-            if ref
-            else LearnedSample(str(plugin), str(pod), tuple(float(v) for v in values))
+            LearnedSample(
+                str(plugin), str(pod), tuple(float(v) for v in values), str(ref[0]) if ref else ""
+            )
             for plugin, pod, values, *ref in rows
         ]
         if any(len(row) > 4 for row in rows):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
@@ -33,6 +35,8 @@ def connect_shared_state(
     notices: bool = True,
     notice_gap_s: float = DEFAULT_NOTICE_GAP_S,
     store: PoolStateStore | None = None,
+    picker_id: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> tuple[SharedPoolState | None, Any]:
     """The shared state (None for `local` without a store given: a picker alone) and the
     index the scheduler should write through (the same index when nothing is shared).
@@ -58,6 +62,8 @@ def connect_shared_state(
         notices=notices,
         notice_gap_s=notice_gap_s,
         registry=registry,
+        picker_id=picker_id,
+        clock=clock,
     )
     return shared, PublishingIndex(index, shared) if local_index is not None else index
 

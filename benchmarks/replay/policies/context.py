@@ -17,10 +17,15 @@ class PolicyContext:
     model: str
 
 
+def split_count(name: str) -> tuple[str, str]:
+    """`default@3` -> ("default", "3"): a policy and the text of its picker count ("" when
+    the name has no `@`)."""
+    base, sep, count = name.rpartition("@")
+    return (base, count) if sep else (name, "")
+
+
 def policy_label(name: str) -> str:
     """How a policy is shown: its name, or a config file's stem (with `@N` pickers kept)."""
-    base, sep, count = name.rpartition("@")
-    if not sep:
-        base, count = name, ""
+    base, count = split_count(name)
     shown = Path(base).stem if base.endswith((".yaml", ".yml")) else base
-    return f"{shown}{sep}{count}"
+    return shown if base == name else f"{shown}@{count}"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..sim import RoutedPolicy
 from .aibrix import AIBrixPrefixCache
-from .context import PolicyContext
+from .context import PolicyContext, split_count
 from .full_information import FullInformation
 from .sglang import SGLangCacheAware
 from .simple import (
@@ -38,8 +38,8 @@ class UnknownPolicy(ValueError):
 def split_pickers(name: str) -> tuple[str, int]:
     """`default@3`: policy `default` run by 3 pickers of one pool sharing state (replicas
     behind one Envoy); a name without `@` is one router."""
-    base, sep, count = name.rpartition("@")
-    if not sep:
+    base, count = split_count(name)
+    if base == name:
         return name, 1
     if not count.isdigit() or int(count) < 1:
         raise UnknownPolicy(f"{name!r}: the count after '@' is a number of pickers, 1 or more")

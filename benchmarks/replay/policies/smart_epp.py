@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry
 
 from ....epp.scheduler import build_scheduler
 from ....epp.shared_state.store import LocalPoolStore
-from ....epp.shared_state.sync import PublishingIndex, SharedPoolState
+from ....epp.shared_state.wiring import connect_shared_state
 from ....kv_index.ingest import IngestState
-from ....kv_index.memory import MemoryBlockIndex
+from ....kv_index.memory import DEFAULT_SPECULATIVE_TTL_S, MemoryBlockIndex
 from ....kv_index.subscriber import PodEventStream
 from ..sim import RoutedPolicy
 from .context import PolicyContext, policy_label
@@ -35,18 +35,24 @@ def build_config_pickers(name: str, ctx: PolicyContext, count: int) -> list[Rout
     for i in range(count):
         datastore = ctx.pool.datastore if i == 0 else ctx.pool.add_view()
         index = MemoryBlockIndex(clock=ctx.clock)
-        shared = SharedPoolState(
-            store,
-            datastore,
+        shared, scheduler_index = connect_shared_state(
+            "local",
+            url="",
+            pool_name="replay",
+            datastore=datastore,
             index=index,
-            picker_id=f"picker-{i}",
-            notices=False,  # the simulation runs every exchange on its own schedule
             registry=CollectorRegistry(),
+            interval_s=ctx.pool.config.sync_interval_s,
+            speculative_ttl_s=DEFAULT_SPECULATIVE_TTL_S,
+            notices=False,  # the simulation runs every exchange on its own schedule
+            store=store,
+            picker_id=f"picker-{i}",
             clock=ctx.clock,
         )
+        assert shared is not None  # a store was given
         # Each replica draws its own coin tosses (ties), as separate processes do.
         own = ctx if i == 0 else dataclasses.replace(ctx, seed=ctx.seed + PICKER_SEED_STRIDE * i)
-        policy = _build(name, own, PublishingIndex(index, shared), index)
+        policy = _build(name, own, scheduler_index, index)
         plugins = policy.scheduler.plugins.plugins  # type: ignore[attr-defined]
         shared.share_learning(lambda plugins=plugins: plugins.values())
         policy.datastore = datastore
