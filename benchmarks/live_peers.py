@@ -14,6 +14,8 @@ of them, each its own process:
 - `smart-epp 3 replicas`: three such `epp serve` sharing pool state through one Valkey
   (`--shared-state redis`), each subscribed to every pod, behind one `epp envoy` that
   balances the ext_proc streams over them (the active-active deployment);
+- `smart-epp 3 replicas shared queue`: the same with `sharedQueue` on (not run by default;
+  README, "Several pickers, one queue");
 - `smart-epp 2 workers`: one `epp serve --workers 2` (two picker processes on one port,
   sharing pool state through a private Valkey), Envoy opening a new connection to it every
   2 streams so that both workers decide (`--epp-streams-per-connection 2`);
@@ -87,13 +89,19 @@ ROUTER_NAMES = (
     "smart-epp via /tokenize",
     "smart-epp 3 replicas",
     "smart-epp 3 replicas polling",
+    "smart-epp 3 replicas shared queue",
     "smart-epp 2 workers",
     "vllm-router cache_aware",
     "vllm-router kv_aware",
     "sglang-router cache_aware",
 )
 
-NOT_BY_DEFAULT = ("smart-epp via /tokenize", "smart-epp 3 replicas polling")
+NOT_BY_DEFAULT = (
+    "smart-epp via /tokenize",
+    "smart-epp 3 replicas polling",
+    "smart-epp 3 replicas shared queue",
+)
+SHARED_QUEUE_CONFIG = Path(__file__).resolve().parent / "replay/configs/default-shared-queue.yaml"
 
 # ------------------------------------------------------------------------------ pods
 
@@ -288,6 +296,9 @@ ROUTERS: dict[str, Callable[[ProcessGroup, Pods], str]] = {
     # The replicas' sync before change notices: every picker polls the store every 20 ms.
     "smart-epp 3 replicas polling": lambda g, p: start_smart_epp_replicas(
         g, p, 3, "--shared-state-notices", "false", "--shared-state-sync-interval", "0.02"
+    ),
+    "smart-epp 3 replicas shared queue": lambda g, p: start_smart_epp_replicas(
+        g, p, 3, "--config", str(SHARED_QUEUE_CONFIG)
     ),
     "smart-epp 2 workers": start_smart_epp_workers,
     "vllm-router cache_aware": lambda g, p: start_vllm_router(g, p, "cache_aware"),

@@ -852,7 +852,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             old_id, old = self._pending.popitem(last=False)
             old_model = self.pods.get(old.address)
             if old_model is not None:
-                old_model.queue.items.pop(old_id, None)
+                old_model.queue.remove(old_id)
             if ctx.prefill_progress is not None:
                 ctx.prefill_progress.forget(old_id)
 
@@ -887,7 +887,9 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         model = self.pods.get(address)
         if model is None:
             model = self.pods[address] = PodModel()
-        model.queue.items.pop(ctx.request.request_id, None)
+        # Its prefill was over at its first token (the outcome comes at the response's end).
+        first_token_at = routed.routed_at + ttft_s if ok and ttft_s is not None else None
+        model.queue.remove(ctx.request.request_id, first_token_at)
         model.finished_at.append(now)
         if self.params.sharedQueue:
             self._to_share.append(
@@ -1016,7 +1018,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         model = self.pods.get(address)
         if model is None or request_id in self._pending:
             return
-        if model.queue.items.pop(request_id, None) is not None:
+        if model.queue.remove(request_id, answered_at) is not None:
             model.peer_requests -= 1
             if answered_at is not None:
                 model.finished_at.append(answered_at)

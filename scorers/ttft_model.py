@@ -197,6 +197,10 @@ class Inflight:
     prefill_s: float  # its own predicted prefill time
     done_at: float  # when the model expected its first token
     admitted_at: float | None = None  # the first scrape that no longer counted it waiting
+    # Scrape path (no KV-event progress): the last scrape that counted it waiting, and when
+    # its prefill is taken to end, in admission order (`PodQueue.ahead`).
+    waiting_at: float = 0.0
+    drained_at: float | None = None
     # Another picker's request (shared pool state): heard of after it was sent, perhaps
     # answered already, so one sent after the pod's last scrape is taken to drain over its
     # predicted prefill rather than to wait in full.
@@ -225,6 +229,18 @@ class PodQueue:
     """The requests this gateway sent a pod and has not seen answered, in sending order."""
 
     items: dict[str, Inflight] = field(default_factory=dict)
+    # When the prefill of the last request admitted (scrape path) is taken to end.
+    drained_until: float = 0.0
+
+    def remove(self, request_id: str, answered_at: float | None = None) -> Inflight | None:
+        """Takes a request off the queue; at its first token (`answered_at`) its prefill
+        is over, so the admitted prefill behind it is taken to end that much sooner too."""
+        item = self.items.pop(request_id, None)
+        if item is not None and answered_at is not None and item.drained_at is not None:
+            early = item.drained_at - answered_at
+            if early > 0:
+                self.drained_until = max(answered_at, self.drained_until - early)
+        return item
 
     def ahead(
         self,
@@ -264,16 +280,20 @@ class PodQueue:
                 pairs += frac * item.pairs
                 count += 1
             return tokens, pairs, count, 0
+        self._admit(waiting, scraped_at)
         for item in reversed(self.items.values()):
             if item.routed_at <= scraped_at:
                 if waiting > 0:
                     waiting -= 1
                 else:
-                    # Admitted by the time of the scrape. Older requests were admitted
-                    # earlier, so the first one done ends the search.
-                    frac = item.share_since_admitted(scraped_at, now)
-                    if frac <= 0:
+                    # Admitted by the time of the scrape. Prefill runs in admission
+                    # order, so older requests' ends are no later: the first one done
+                    # ends the search.
+                    drained_at = item.drained_at if item.drained_at is not None else now
+                    left = drained_at - now
+                    if left <= 0:
                         break
+                    frac = left / item.prefill_s if left < item.prefill_s else 1.0
                     tokens += frac * item.tokens
                     pairs += frac * item.pairs
                     continue
@@ -288,6 +308,31 @@ class PodQueue:
             pairs += item.pairs
             count += 1
         return tokens, pairs, count, waiting
+
+    def _admit(self, waiting: int, scraped_at: float) -> None:
+        """Places the requests the scrape saw admitted for the first time (those sent
+        before it, past the newest `waiting`) in the pod's prefill order: vLLM prefills
+        admitted requests in arrival order (a long prompt's chunks first, the requests
+        behind it after), so each is taken to start when the one before it ends, or when
+        it was last seen waiting, and to take its predicted prefill. Requests a scrape
+        still counted waiting are marked so that their start is no earlier."""
+        admitting: list[Inflight] = []
+        for item in reversed(self.items.values()):
+            if item.routed_at > scraped_at:
+                continue
+            if waiting > 0:
+                waiting -= 1
+                if item.waiting_at < scraped_at:
+                    item.waiting_at = scraped_at
+                continue
+            if item.drained_at is not None:
+                break  # placed at an earlier scrape, and so is every request before it
+            admitting.append(item)
+        end = self.drained_until
+        for item in reversed(admitting):
+            end = max(end, item.routed_at, item.waiting_at) + item.prefill_s
+            item.drained_at = end
+        self.drained_until = end
 
     def _ahead_by_progress(
         self, now: float, waiting: int | None, scraped_at: float, progress: PrefillProgressView

@@ -217,10 +217,10 @@ def test_queue_terms_use_scraped_waiting_and_own_sends():
     s.score(later, [pod("a:1"), b])
     assert later.components["b:1"]["wait_s"] == pytest.approx(100 / RATE)
     assert later.components["b:1"]["queued"] == 1.0
-    # The next scrape says nothing waits at b: the request was admitted, and its own
-    # predicted prefill (10 ms from the scrape) drains from there.
-    b.metrics.scraped_at = 100.006
-    s.score(again := ctx(100, now=100.011), [b])
+    # The next scrape says nothing waits at b: the request was admitted, and with nothing
+    # ahead of it its predicted prefill (10 ms) drains from when it was sent.
+    b.metrics.scraped_at = 100.003
+    s.score(again := ctx(100, now=100.005), [b])
     assert again.components["b:1"]["wait_s"] == pytest.approx(0.5 * 100 / RATE)
 
 
