@@ -197,9 +197,8 @@ class Inflight:
     prefill_s: float  # its own predicted prefill time
     done_at: float  # when the model expected its first token
     admitted_at: float | None = None  # the first scrape that no longer counted it waiting
-    # Scrape path (no KV-event progress): the last scrape that counted it waiting, and when
-    # its prefill is taken to end, in admission order (`PodQueue.ahead`).
-    waiting_at: float = 0.0
+    # Scrape path (no KV-event progress): when its prefill is taken to end, in admission
+    # order (`PodQueue.ahead`).
     drained_at: float | None = None
     # Another picker's request (shared pool state): heard of after it was sent, perhaps
     # answered already, so one sent after the pod's last scrape is taken to drain over its
@@ -313,24 +312,23 @@ class PodQueue:
         """Places the requests the scrape saw admitted for the first time (those sent
         before it, past the newest `waiting`) in the pod's prefill order: vLLM prefills
         admitted requests in arrival order (a long prompt's chunks first, the requests
-        behind it after), so each is taken to start when the one before it ends, or when
-        it was last seen waiting, and to take its predicted prefill. Requests a scrape
-        still counted waiting are marked so that their start is no earlier."""
+        behind it after), so each is taken to start when the one before it ends, or at
+        this scrape if later, and to take its predicted prefill. The scrape is the latest
+        it can have started, and the start taken: the pod may have been busy with work
+        this gateway did not send (other pickers' requests) since it was sent."""
         admitting: list[Inflight] = []
         for item in reversed(self.items.values()):
             if item.routed_at > scraped_at:
                 continue
             if waiting > 0:
                 waiting -= 1
-                if item.waiting_at < scraped_at:
-                    item.waiting_at = scraped_at
                 continue
             if item.drained_at is not None:
                 break  # placed at an earlier scrape, and so is every request before it
             admitting.append(item)
         end = self.drained_until
         for item in reversed(admitting):
-            end = max(end, item.routed_at, item.waiting_at) + item.prefill_s
+            end = max(end, scraped_at) + item.prefill_s
             item.drained_at = end
         self.drained_until = end
 

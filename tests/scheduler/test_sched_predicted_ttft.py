@@ -217,10 +217,10 @@ def test_queue_terms_use_scraped_waiting_and_own_sends():
     s.score(later, [pod("a:1"), b])
     assert later.components["b:1"]["wait_s"] == pytest.approx(100 / RATE)
     assert later.components["b:1"]["queued"] == 1.0
-    # The next scrape says nothing waits at b: the request was admitted, and with nothing
-    # ahead of it its predicted prefill (10 ms) drains from when it was sent.
-    b.metrics.scraped_at = 100.003
-    s.score(again := ctx(100, now=100.005), [b])
+    # The next scrape says nothing waits at b: the request was admitted, and its own
+    # predicted prefill (10 ms from the scrape) drains from there.
+    b.metrics.scraped_at = 100.006
+    s.score(again := ctx(100, now=100.011), [b])
     assert again.components["b:1"]["wait_s"] == pytest.approx(0.5 * 100 / RATE)
 
 
@@ -650,8 +650,9 @@ def _peer_pair():
     return routing, peer
 
 
-def test_by_default_requests_are_neither_handed_on_nor_taken_from_peers():
-    routing, peer = scorer(overheadSeconds=0.0), scorer(overheadSeconds=0.0)
+def test_with_the_shared_queue_off_requests_are_neither_handed_on_nor_taken_from_peers():
+    off = {"overheadSeconds": 0.0, "sharedQueue": False}
+    routing, peer = scorer(**off), scorer(**off)
     first = ctx(4000, now=100.0)
     routing.score(first, [pod("b:1")])
     routing.on_routed(first, pod("b:1"))

@@ -201,27 +201,31 @@ def item(tokens: float, routed_at: float, prefill_s: float = 1.0) -> Inflight:
 
 def test_queue_ahead_follows_the_scraped_waiting_count():
     q = PodQueue()
-    sent = ((1000, 0.0, 2.0), (2000, 1.0, 1.0), (3000, 2.0, 1.0), (4000, 2.55, 1.0))
+    sent = ((1000, 0.0, 2.5), (2000, 1.0, 1.0), (3000, 2.0, 1.0), (4000, 2.55, 1.0))
     for i, (tokens, routed_at, prefill_s) in enumerate(sent):
         q.items[f"r{i}"] = item(tokens, routed_at=routed_at, prefill_s=prefill_s)
-    # A scrape at 0.5 saw r0 admitted: sent to an idle pod, its 2 s prefill ends at 2.0.
+    # A scrape at 0.5 saw r0 admitted: its 2.5 s prefill is taken to run from then, to 3.0.
     q.ahead(now=0.6, waiting=0, scraped_at=0.5)
     # Scraped at 2.5 with one request waiting: of the three sent before, the newest
     # (3000) waits; 4000 was sent after the scrape; 2000 was admitted behind r0, so its
-    # 1 s prefill runs from 2.0 and has 0.4 s left at 2.6; 1000's prefill is over.
+    # 1 s prefill runs from 3.0, all of it still ahead at 2.6; 1000 has 0.4 s of 2.5 left.
     tokens, pairs, count, others = q.ahead(now=2.6, waiting=1, scraped_at=2.5)
-    assert tokens == pytest.approx(3000 + 4000 + 0.4 * 2000)
+    assert tokens == pytest.approx(3000 + 4000 + 2000 + 0.16 * 1000)
     assert pairs == pytest.approx(
-        attention_pairs(3000, 0) + attention_pairs(4000, 0) + 0.4 * attention_pairs(2000, 0)
+        attention_pairs(3000, 0)
+        + attention_pairs(4000, 0)
+        + attention_pairs(2000, 0)
+        + 0.16 * attention_pairs(1000, 0)
     )
     assert (count, others) == (2, 0)
     # More waiting than this gateway sent: the rest came from elsewhere.
     assert q.ahead(now=2.6, waiting=5, scraped_at=2.5)[2:] == (4, 2)
-    # r1's first token at 2.7 says the prefill ahead ended 0.3 s sooner than predicted.
-    # r2, still waiting at the 2.5 scrape and admitted by the one at 3.5, starts then.
-    q.remove("r1", answered_at=2.7)
-    tokens, _, count, _ = q.ahead(now=3.6, waiting=0, scraped_at=3.5)
-    assert count == 0 and tokens == pytest.approx(0.1 * 3000 + 1.0 * 4000)
+    # r1's first token at 3.3, not 4.0: the prefill ahead of it ended 0.7 s sooner. r2,
+    # admitted by the scrape at 3.2, starts at 3.3 and has 0.9 s left at 3.4 (at 5.0, and
+    # all of it left, without the answer); r3 follows it.
+    q.remove("r1", answered_at=3.3)
+    tokens, _, count, _ = q.ahead(now=3.4, waiting=0, scraped_at=3.2)
+    assert count == 0 and tokens == pytest.approx(0.9 * 3000 + 4000)
     # Without a scrape each request drains over its predicted prefill before its
     # predicted first token (routed_at + 10).
     tokens, _, count, _ = q.ahead(now=11.5, waiting=None, scraped_at=0.0)
@@ -236,11 +240,13 @@ def test_a_short_request_admitted_behind_a_long_one_waits_for_its_prefill():
         q = PodQueue()
         q.items["long"] = Inflight(8000.0, attention_pairs(8000, 0), 0.0, 0.97, 1.0, peer=peer)
         q.items["short"] = Inflight(500.0, attention_pairs(500, 0), 0.24, 0.06, 1.25, peer=peer)
+        # Both taken to start at the scrape (0.25): the long one ends at 1.22, the short
+        # one at 1.28.
         tokens, _, count, others = q.ahead(now=0.32, waiting=0, scraped_at=0.25)
-        assert tokens == pytest.approx(8000 * (0.97 - 0.32) / 0.97 + 500)
+        assert tokens == pytest.approx(8000 * 0.9 / 0.97 + 500)
         assert (count, others) == (0, 0)
-        assert q.ahead(now=1.0, waiting=0, scraped_at=0.9)[0] == pytest.approx(500 * 0.03 / 0.06)
-        assert q.ahead(now=1.1, waiting=0, scraped_at=0.9)[0] == 0.0
+        assert q.ahead(now=1.25, waiting=0, scraped_at=0.9)[0] == pytest.approx(500 * 0.5)
+        assert q.ahead(now=1.3, waiting=0, scraped_at=0.9)[0] == 0.0
 
 
 def test_queue_ahead_follows_the_prefill_the_pods_events_show():
