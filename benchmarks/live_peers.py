@@ -14,8 +14,8 @@ of them, each its own process:
 - `smart-epp 3 replicas`: three such `epp serve` sharing pool state through one Valkey
   (`--shared-state redis`), each subscribed to every pod, behind one `epp envoy` that
   balances the ext_proc streams over them (the active-active deployment);
-- `smart-epp 3 replicas unshared queue`: the same with `sharedQueue` off (not run by
-  default; README, "Several pickers, one queue");
+- `smart-epp 3 replicas shared queue`: the same with `sharedQueue` on (not run by default;
+  README, "Several pickers, one queue");
 - `smart-epp 2 workers`: one `epp serve --workers 2` (two picker processes on one port,
   sharing pool state through a private Valkey), Envoy opening a new connection to it every
   2 streams so that both workers decide (`--epp-streams-per-connection 2`);
@@ -89,7 +89,7 @@ ROUTER_NAMES = (
     "smart-epp via /tokenize",
     "smart-epp 3 replicas",
     "smart-epp 3 replicas polling",
-    "smart-epp 3 replicas unshared queue",
+    "smart-epp 3 replicas shared queue",
     "smart-epp 2 workers",
     "vllm-router cache_aware",
     "vllm-router kv_aware",
@@ -99,10 +99,9 @@ ROUTER_NAMES = (
 NOT_BY_DEFAULT = (
     "smart-epp via /tokenize",
     "smart-epp 3 replicas polling",
-    "smart-epp 3 replicas unshared queue",
+    "smart-epp 3 replicas shared queue",
 )
-CONFIGS = Path(__file__).resolve().parent / "replay" / "configs"
-UNSHARED_QUEUE_CONFIG = CONFIGS / "default-unshared-queue.yaml"
+SHARED_QUEUE_CONFIG = Path(__file__).resolve().parent / "replay/configs/default-shared-queue.yaml"
 
 # ------------------------------------------------------------------------------ pods
 
@@ -298,8 +297,8 @@ ROUTERS: dict[str, Callable[[ProcessGroup, Pods], str]] = {
     "smart-epp 3 replicas polling": lambda g, p: start_smart_epp_replicas(
         g, p, 3, "--shared-state-notices", "false", "--shared-state-sync-interval", "0.02"
     ),
-    "smart-epp 3 replicas unshared queue": lambda g, p: start_smart_epp_replicas(
-        g, p, 3, "--config", str(UNSHARED_QUEUE_CONFIG)
+    "smart-epp 3 replicas shared queue": lambda g, p: start_smart_epp_replicas(
+        g, p, 3, "--config", str(SHARED_QUEUE_CONFIG)
     ),
     "smart-epp 2 workers": start_smart_epp_workers,
     "vllm-router cache_aware": lambda g, p: start_vllm_router(g, p, "cache_aware"),

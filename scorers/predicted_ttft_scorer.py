@@ -188,10 +188,11 @@ class PredictedTTFTParams(PluginParams):
     routedPrefixSeconds: float = Field(default=60.0, ge=0)
     routedPrefixChunkTokens: int = Field(default=256, ge=1)
     # With shared pool state, hand each routed request and its answer to the other
-    # pickers, and put theirs on this picker's queue model: each picker then prices a
-    # pod's queue from the whole pool's requests, not from a third of them and a count
-    # of the rest (README, "Several pickers, one queue"). No effect with one picker.
-    sharedQueue: bool = True
+    # pickers, and put theirs on this picker's queue model. Off by default: in the replay
+    # it brings three pickers to one picker's TTFT, but live past saturation it placed
+    # the groups of a shared-prefix workload worse than without it (README, "Several
+    # pickers, one queue").
+    sharedQueue: bool = False
     staleAfterSeconds: float = Field(default=1.0, gt=0)
     blockSize: int | None = Field(default=None, gt=0)
 

@@ -42,8 +42,9 @@ DEFAULT_PICKER_TTL_S = 3.0
 # Routed-prefix entries kept in the store (the oldest dropped beyond), and read per sync.
 DEFAULT_MAX_ROUTED_ENTRIES = 20_000
 DEFAULT_MAX_READ = 2_000
-# Learned-from answers kept in the store for pickers that start late (the oldest dropped
-# beyond): about the last minute of a busy pool's answers.
+# Learning records kept in the store for pickers that start late (the oldest dropped
+# beyond): about the last minute of a busy pool's answers, or 20 s of it with the default
+# policy's `sharedQueue` on (three records per request: routed, answered, learned from).
 DEFAULT_MAX_LEARNED = 5_000
 # A pod's shared scrape not rewritten for this long is dropped from the store: the pod
 # left the pool (or no picker is left to scrape it).

@@ -650,9 +650,8 @@ def _peer_pair():
     return routing, peer
 
 
-def test_with_the_shared_queue_off_requests_are_neither_handed_on_nor_taken_from_peers():
-    off = {"overheadSeconds": 0.0, "sharedQueue": False}
-    routing, peer = scorer(**off), scorer(**off)
+def test_by_default_requests_are_neither_handed_on_nor_taken_from_peers():
+    routing, peer = scorer(overheadSeconds=0.0), scorer(overheadSeconds=0.0)
     first = ctx(4000, now=100.0)
     routing.score(first, [pod("b:1")])
     routing.on_routed(first, pod("b:1"))
