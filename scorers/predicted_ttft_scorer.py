@@ -996,8 +996,12 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             model = self.pods.get(address)
             if model is None:
                 model = self.pods[address] = PodModel()
-            if request_id not in model.queue.items:
-                model.peer_requests += 1
+            if request_id in model.queue.items:
+                # Read again (a batch the store delivered twice): the first reading
+                # stands. It is the nearer to when the request was routed, and it holds
+                # the request's place in the pod's admission order (`PodQueue.ahead`).
+                return True
+            model.peer_requests += 1
             routed_at = now - age_s
             done_at = routed_at + ttft_s
             model.queue.items[request_id] = Inflight(

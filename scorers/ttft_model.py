@@ -287,9 +287,7 @@ class PodQueue:
                 else:
                     # Admitted by the time of the scrape. Prefill runs in admission
                     # order, so older requests' ends are no later: the first one done
-                    # ends the search. `_admit` has placed every admitted request but one
-                    # written again in place (a peer's record of it read twice), which
-                    # ends the search as done.
+                    # ends the search. `_admit` has placed every admitted request.
                     drained_at = item.drained_at if item.drained_at is not None else now
                     left = drained_at - now
                     if left <= 0:

@@ -706,6 +706,32 @@ def test_a_peers_request_whose_answer_never_comes_leaves_after_its_predicted_ttf
     assert list(peer.pods["b:1"].queue.items) == ["slow"]
 
 
+def test_a_peers_record_read_again_keeps_its_place_in_the_admission_order():
+    """A peer's long prompt, then two short ones, all admitted by the scrape at t=100:
+    the short ones' prefills end after the long one's. The middle record delivered a
+    second time must not be taken for done, hiding the long prefill before it."""
+    _, peer = _peer_pair()
+    b = pod("b:1")
+    b.metrics.scraped_at = 100.0
+    records = [("long", 8000.0, 0.8, 0.7), ("mid", 100.0, 0.01, 0.6), ("last", 100.0, 0.01, 0.5)]
+    routed = {
+        name: LearnedSample("ttft", "b:1", (REQUEST_ROUTED, tokens, 0.0, prefill, 0.9, age), name)
+        for name, tokens, prefill, age in records
+    }
+    peer.learn_from_peers(list(routed.values()), now=99.95)
+
+    def wait_at(now: float) -> float:
+        c = ctx(100, now=now, prompt=1)
+        peer.score(c, [b])
+        return c.components["b:1"]["wait_s"]
+
+    before = wait_at(100.4)
+    assert before > 0.3  # the long prefill, admitted at 100.0, runs until 100.8
+    peer.learn_from_peers([routed["mid"]], now=100.4)
+    assert wait_at(100.4) == pytest.approx(before)
+    assert peer.pods["b:1"].peer_requests == 3
+
+
 def test_malformed_request_records_are_counted_and_change_nothing():
     _, peer = _peer_pair()
     bad = [
