@@ -92,6 +92,7 @@ from ..framework.registry import register_plugin
 from ..framework.types import SLO_TTFT_HEADER, Decision, Outcome, PodState
 from .decode_model import DecodeSlope
 from .lora_affinity_scorer import adapter_active, adapter_slot_free
+from .prefix_reuse import RecentReuse
 from .routed_prefixes import unit_chunk_keys
 from .ttft_model import (
     PAIR_UNIT,
@@ -258,8 +259,9 @@ class Prediction:
     ahead: list[tuple[float, float, float]]
     learnable: list[bool]
     # Per pod: the prompt's routed-prefix keys there (pods sharing a block size share one
-    # list).
+    # list), and the prompt tokens each key covers.
     chunk_keys: list[Sequence[int]]
+    chunk_tokens: list[int]
 
 
 class RoutedPrefixes:
@@ -390,6 +392,9 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         self.reuse_rate = 0.0
         self.decode_slope = DecodeSlope()
         self.routed_prefixes = RoutedPrefixes(params.routedPrefixSeconds)
+        # Per routed-prefix key, the requests that reused it in the last window: how many
+        # followers a prefix draws (the duplicated-work price is shared among them).
+        self.recent_reuse = RecentReuse(UTILISATION_WINDOW_S)
         # (routed at, predicted prefill seconds) of the last UTILISATION_WINDOW_S.
         self._recent_prefill: deque[tuple[float, float]] = deque()
         self._recent_prefill_s = 0.0
@@ -433,9 +438,10 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
 
     def _routed_prefix_lookup(
         self, ctx: SchedulingContext, pods: Sequence[PodState], now: float
-    ) -> tuple[list[Sequence[int]], dict[str, float]]:
-        """Per pod (in `pods`' order), the prompt's routed-prefix keys, and per pod sent a
-        prefix of it and not yet answered, the prompt tokens it can reuse from that.
+    ) -> tuple[list[Sequence[int]], list[int], dict[str, float]]:
+        """Per pod (in `pods`' order), the prompt's routed-prefix keys and the prompt tokens
+        each covers, and per pod sent a prefix of it and not yet answered, the prompt tokens
+        it can reuse from that.
 
         The keys are the block index's own chained block keys for the pod (already cut
         for the prefix lookup, scoped by model, adapter and salt), every `chunk`-th one:
@@ -449,6 +455,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         # id(block keys list), or 0 -> (chunk keys, prompt tokens per chunk key, matched runs)
         by_list: dict[int, tuple[Sequence[int], int, dict[str, int]]] = {}
         per_pod: list[Sequence[int]] = []
+        per_pod_tokens: list[int] = []
         tokens_of: dict[str, float] = {}
         for pod in pods:
             address = pod.endpoint.address
@@ -469,6 +476,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                 found = by_list[list_id] = (keys, tokens_per_key, runs)
             keys, tokens_per_key, runs = found
             per_pod.append(keys)
+            per_pod_tokens.append(tokens_per_key)
             run = runs.get(address)
             if run:
                 size = size or 1
@@ -476,7 +484,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                 tokens_of[address] = float(
                     reusable_tokens(prompt_len, run * tokens_per_key // size, size)
                 )
-        return per_pod, tokens_of
+        return per_pod, per_pod_tokens, tokens_of
 
     def predict(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> Prediction:
         # One tight loop per pod with parameters hoisted into locals: this runs for every
@@ -504,8 +512,10 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         explain = ctx.components if ctx.explain else None
         # Per pod: the prompt's routed-prefix keys and the tokens it was sent and has not
         # seen answered (a prefix the pod's queue holds but no KV event shows yet).
-        chunk_keys, routed_tokens_of = (
-            self._routed_prefix_lookup(ctx, pods, now) if p.routedPrefixSeconds > 0 else ([], {})
+        chunk_keys, chunk_tokens, routed_tokens_of = (
+            self._routed_prefix_lookup(ctx, pods, now)
+            if p.routedPrefixSeconds > 0
+            else ([], [], {})
         )
         progress = ctx.prefill_progress
 
@@ -679,6 +689,9 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             return at_pool_shape(tokens, attention_pairs(tokens, 0.0))
 
         duplicated: list[float] = [0.0] * len(pods)
+        # Per pod, the held blocks the placement's new blocks would push out of a full
+        # prefix cache (0: room for them, or the cache unknown).
+        evicted = self._evicted_blocks(ctx, pods, own_list)
         # rho / (1 - rho) is also an M/M/1 queue's mean wait in mean services, so the
         # queues give a second estimate of it: the work ahead on the median candidate,
         # in units of the mean request's prefill. It sees a saturation the routed prefill
@@ -696,6 +709,24 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             delayed_per_work = min(MAX_DELAYED_PER_WORK, max(rho / (1.0 - rho), queue_ratio))
             if delayed_per_work > 0:
                 per_work = weight * delayed_per_work
+                # A second copy of the prefix serves its later followers too, for as long
+                # as it stays cached: the price is shared with those that will find the
+                # copy's pod free, counted as the requests that reused the prefix in the
+                # last window (a prefix reused n times a window draws about n in the next)
+                # times the pool's idle share 1 - rho (past saturation they would queue
+                # there as well, and the copy is only more work). A system prompt every
+                # request carries is then cheap to copy to a pod that holds none of it,
+                # while a prefix nobody reused lately pays in full. Not on a pod whose
+                # cache is full: there the copy pushes out other reused prefixes (the
+                # displaced price below) and may itself be gone before the followers come.
+                holder = hit_list.index(best_hit)
+                followers = self._followers(
+                    chunk_keys[holder] if chunk_keys else (),
+                    chunk_tokens[holder] if chunk_tokens else 0,
+                    best_hit,
+                    now,
+                )
+                free_share = 1.0 / (1.0 + delayed_per_work)  # 1 - rho
                 # Candidates holding the same share (most often none of it) repeat the
                 # same price: computed once per distinct share.
                 price_of: dict[float, float] = {}
@@ -706,7 +737,9 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                         if price is None:
                             price = price_of[extra] = cold_prefill_s(extra)
                         duplicated[i] = price
-                        costs[i] += per_work * price
+                        if followers and evicted[i] <= 0:
+                            duplicated[i] = price / (1.0 + followers * free_share)
+                        costs[i] += per_work * duplicated[i]
         # A prompt's new blocks on a pod whose prefix cache is full push as many held
         # blocks out (vLLM evicts the least recently used), which the requests that would
         # have reused them compute again; on a pod with room they push out nothing. Priced
@@ -715,20 +748,12 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         # every new prefix goes to whichever idle pod is priced a little faster, until its
         # cache holds more prefixes than fit and they evict each other.
         displaced = [0.0] * len(pods)
-        held_blocks = ctx.held_blocks
         reuse = self.reuse_rate
-        if held_blocks and reuse > 0:
-            for i, pod in enumerate(pods):
-                address = pod.endpoint.address
-                capacity = pod.metrics.num_gpu_blocks
-                block_size = block_sizes.get(address)
-                held_now = held_blocks.get(address)
-                if not capacity or not block_size or held_now is None:
-                    continue
-                new_blocks = int(own_list[i][0]) // block_size
-                evicted = min(new_blocks, held_now + new_blocks - capacity)
-                if evicted > 0:
-                    displaced[i] = reuse * cold_prefill_s(float(evicted * block_size))
+        if reuse > 0:
+            for i, gone_blocks in enumerate(evicted):
+                if gone_blocks > 0:
+                    size = block_sizes.get(pods[i].endpoint.address) or 0
+                    displaced[i] = reuse * cold_prefill_s(float(gone_blocks * size))
                     costs[i] += displaced[i]
         if explain is not None:
             for i, (pod, t, cost, dup, gone, st) in enumerate(
@@ -751,7 +776,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                 costs[i] += TIE_BREAK_S_PER_TOKEN * (best_hit - held)
             self._break_ties_by_load(costs, pods, now)
         prediction = Prediction(
-            ttfts, costs, hit_list, own_list, ahead_list, learnable_list, chunk_keys
+            ttfts, costs, hit_list, own_list, ahead_list, learnable_list, chunk_keys, chunk_tokens
         )
         ctx.scratch[SCRATCH_KEY] = (pods, prediction)
         return prediction
@@ -772,6 +797,41 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             routed_s = model.routed_prefill_s(now) if model is not None else 0.0
             routed_s += pod.inflight.peer_prefill_rate * UTILISATION_WINDOW_S
             costs[i] += TIE_BREAK_S_PER_ROUTED_S * routed_s
+
+    @staticmethod
+    def _evicted_blocks(
+        ctx: SchedulingContext,
+        pods: Sequence[PodState],
+        own: Sequence[tuple[float, float, float]],
+    ) -> list[int]:
+        """Per pod, the held blocks that the placement's new blocks (its uncached tokens,
+        whole blocks) would push out of the pod's prefix cache: 0 where they fit, or
+        where the index does not know what the pod holds or how much it can."""
+        held_blocks = ctx.held_blocks
+        out = [0] * len(pods)
+        if not held_blocks:
+            return out
+        block_sizes = ctx.block_sizes
+        for i, pod in enumerate(pods):
+            address = pod.endpoint.address
+            capacity = pod.metrics.num_gpu_blocks
+            block_size = block_sizes.get(address)
+            held_now = held_blocks.get(address)
+            if not capacity or not block_size or held_now is None:
+                continue
+            new_blocks = int(own[i][0]) // block_size
+            out[i] = max(0, min(new_blocks, held_now + new_blocks - capacity))
+        return out
+
+    def _followers(
+        self, keys: Sequence[int], tokens_per_key: int, held_tokens: float, now: float
+    ) -> int:
+        """Requests that reused the first `held_tokens` of the prompt in the last window
+        (the prefix's chunk key at that depth)."""
+        if tokens_per_key <= 0:
+            return 0
+        depth = min(len(keys), int(held_tokens) // tokens_per_key)
+        return self.recent_reuse.count(keys[depth - 1], now) if depth > 0 else 0
 
     def score(self, ctx: SchedulingContext, pods: Sequence[PodState]) -> list[float]:
         if not pods:
@@ -829,6 +889,10 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             self._to_share.append(LearnedSample(self.name, address, routed, request_id))
         keys = prediction.chunk_keys[i] if prediction.chunk_keys else ()
         self.routed_prefixes.add(keys, address, ctx.now)
+        per_key = prediction.chunk_tokens[i] if prediction.chunk_tokens else 0
+        if per_key > 0 and prediction.hit_tokens[i] >= per_key:
+            # The chunks the chosen pod holds: this request reuses that prefix.
+            self.recent_reuse.add(keys[: int(prediction.hit_tokens[i]) // per_key], now)
         self._watch_prefill(ctx, address)
         self._recent_prefill.append((now, prefill_s))
         self._recent_prefill_s += prefill_s

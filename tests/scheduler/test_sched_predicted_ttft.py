@@ -385,6 +385,49 @@ def test_a_busy_pool_waits_for_a_held_prefix_instead_of_computing_it_again():
     assert address == "a:1"
 
 
+def test_a_prefix_reused_lately_shares_its_duplication_price_with_its_followers():
+    """The busy pool above, with a 4 requests deep: a copy of its 1,984-token prefix on
+    idle b is priced at rho / (1 - rho) x its prefill, so the request waits on a. When
+    other requests reused that prefix in the last second (on c, outside this choice), a
+    copy on b would serve the followers to come as well: the price is shared with those
+    that would find b free (1 - rho of them) and b computes it. Not when b's prefix cache is full, where the copy would push out
+    prefixes that are reused too."""
+
+    def chosen(followers: int, b_held_blocks: int = 0) -> tuple[str, dict]:
+        # A slow running mean keeps the followers' small uncached parts from shrinking
+        # the mean request, which prices a's queue.
+        s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0, learningRate=0.001,
+                   meanPromptTokens=1024)  # fmt: skip
+        a, b = pod("a:1", waiting=4, num_gpu_blocks=1000), pod("b:1", num_gpu_blocks=1000)
+        elsewhere = pod("c:1")
+        for k in range(12):  # 1,024 cold tokens: 0.1024 s of prefill each
+            sent = ctx(1024, now=99.05 + 0.08 * k, prompt=k + 1)
+            s.score(sent, [elsewhere])
+            s.on_routed(sent, elsewhere)
+        for k in range(followers):  # the same prompt, held on c
+            follower = ctx(2000, hits={"c:1": PrefixHit(blocks=124)}, now=99.5 + 0.01 * k)
+            follower.block_sizes = {"c:1": 16}
+            s.score(follower, [elsewhere])
+            s.on_routed(follower, elsewhere)
+        c = ctx(2000, hits={"a:1": PrefixHit(blocks=124)}, now=100.0)
+        c.held_blocks = {"a:1": 500, "b:1": b_held_blocks}
+        scores = s.score(c, [a, b])
+        return ("a:1", "b:1")[scores.index(1.0)], c.components
+
+    address, comp = chosen(0)
+    assert address == "a:1"
+    assert comp["b:1"]["duplicated_s"] == pytest.approx(1984 / RATE)
+    address, comp = chosen(4)
+    b = comp["b:1"]
+    delayed = max(b["utilisation"] / (1 - b["utilisation"]), b["queue_ratio"])
+    # Of the 4 followers, those that would find b free: the pool's idle share, 1 - rho.
+    assert b["duplicated_s"] == pytest.approx(1984 / RATE / (1 + 4 / (1 + delayed)))
+    assert address == "b:1"
+    address, comp = chosen(4, b_held_blocks=1000)
+    assert comp["b:1"]["duplicated_s"] == pytest.approx(1984 / RATE)
+    assert address == "a:1"
+
+
 def test_a_pool_backed_up_on_most_pods_waits_for_a_held_prefix():
     """a holds 1,984 of the prompt's 2,000 tokens behind 6 waiting requests; b is idle and
     answers sooner by computing all 2,000 again. Nothing was routed lately, so the routed
