@@ -404,6 +404,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     ap.add_argument("--name", default="policy_grid")
+    ap.add_argument(
+        "--update",
+        type=Path,
+        metavar="FILE",
+        help="re-run only --policy on the cells of a written grid FILE, with the pool and "
+        "workload options recorded in it, and replace those policies' figures there (the "
+        "others' stay: each policy replays the same requests on a fresh pool, so one "
+        "policy's change moves no other's figures); the file's heat map is redrawn",
+    )
     return ap
 
 
@@ -417,8 +426,36 @@ def grid_cells(args: argparse.Namespace) -> list[Cell]:
     return [Cell(t, ld, a) for t in args.trace for ld in args.load for a in args.attention]
 
 
+def update_grid(path: Path, policies: Sequence[str], jobs: int, command: str) -> dict[str, Any]:
+    """Re-runs `policies` on the cells of the grid file at `path` and writes their figures
+    over the file's, recomputing what derives from them; returns the updated document."""
+    doc = json.loads(path.read_text())
+    args = grid_args(doc)
+    cells = [c for c in grid_cells(args) if c.key in doc["cells"]]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {c.key: pool.submit(run_cell_with_options, c, policies, args) for c in cells}
+        for key, fut in futures.items():
+            doc["cells"][key].update(fut.result())
+    doc["ttft_p90_relative_to_best"] = relative_p90(doc["cells"])
+    if "goals_default" in doc:
+        doc["goals_default"] = goals(doc["cells"], "default")
+    doc.setdefault("updates", []).append({"policies": list(policies), "command": command})
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    heat_map = path.with_name(f"{path.stem}_ttft_p90.png")
+    if heat_map.exists():
+        shown = list(next(iter(doc["cells"].values())))
+        plot(doc["ttft_p90_relative_to_best"], shown, heat_map)
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.update is not None:
+        command = "benchmarks/policy_grid.py " + " ".join(argv or sys.argv[1:])
+        doc = update_grid(args.update, args.policy, args.jobs, command)
+        print(json.dumps(doc.get("goals_default", {}), indent=1))
+        print(f"updated {', '.join(args.policy)} in {args.update}")
+        return 0
     cells = grid_cells(args)
     started = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}

@@ -46,7 +46,13 @@ with shared pool state, the other pickers) routed in the last second, per candid
 capped at 0.95; rho / (1 - rho) is also read from the queues, as the median candidate's
 work ahead in mean requests (an M/M/1 queue's wait in services), and the larger of the
 two counts, since decode steps can fill the pods' time while routed prefill looks light.
-An idle pool pays nothing for it; a saturated one follows its prefixes.
+An idle pool pays nothing for it; a saturated one follows its prefixes. A copy also
+serves the prefix's later followers, so the price is divided by 1 + n (1 - rho): n the
+requests that reused the prefix in the last second (scorers/prefix_reuse.py), 1 - rho the
+share of them that would find the copy's pod free. A system prompt every request carries
+is cheap to copy to a pod holding none of it; a prefix nobody reused lately pays in full,
+and so does a copy on a pod whose prefix cache is full (it would push out prefixes that
+are reused too).
 The third term is the decode stall: vLLM schedules prefill chunks in the same steps as
 the running requests' decodes, so each of those waits the placement's prefill time for
 its next token. Weighted at a tenth of a second of TTFT per stalled second (a chosen rate
