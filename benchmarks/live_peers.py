@@ -16,6 +16,9 @@ of them, each its own process:
   balances the ext_proc streams over them (the active-active deployment);
 - `smart-epp 3 replicas shared queue`: the same with `sharedQueue` on (not run by default;
   README, "Several pickers, one queue");
+- `smart-epp whole duplication price`: one `epp serve` whose default charges a copy of a
+  held prefix its whole duplicated-work price (`shareDuplicationPrice: false`; not run by
+  default; README, "A copy of a prefix serves its later followers too");
 - `smart-epp 2 workers`: one `epp serve --workers 2` (two picker processes on one port,
   sharing pool state through a private Valkey), Envoy opening a new connection to it every
   2 streams so that both workers decide (`--epp-streams-per-connection 2`);
@@ -91,6 +94,7 @@ ROUTER_NAMES = (
     "smart-epp 3 replicas polling",
     "smart-epp 3 replicas shared queue",
     "smart-epp 2 workers",
+    "smart-epp whole duplication price",
     "vllm-router cache_aware",
     "vllm-router kv_aware",
     "sglang-router cache_aware",
@@ -100,8 +104,12 @@ NOT_BY_DEFAULT = (
     "smart-epp via /tokenize",
     "smart-epp 3 replicas polling",
     "smart-epp 3 replicas shared queue",
+    "smart-epp whole duplication price",
 )
 SHARED_QUEUE_CONFIG = Path(__file__).resolve().parent / "replay/configs/default-shared-queue.yaml"
+WHOLE_PRICE_CONFIG = (
+    Path(__file__).resolve().parent / "replay/configs/default-whole-duplication-price.yaml"
+)
 
 # ------------------------------------------------------------------------------ pods
 
@@ -213,10 +221,11 @@ def _tokenizer_args(group: ProcessGroup, pods: Pods) -> tuple[str, ...]:
     return ("--tokenizers-dir", str(root))
 
 
-def start_smart_epp(group: ProcessGroup, pods: Pods) -> str:
-    """`epp serve` with its default config behind `epp envoy`, as the README deploys it."""
+def start_smart_epp(group: ProcessGroup, pods: Pods, *serve: str) -> str:
+    """`epp serve` with its default config behind `epp envoy`, as the README deploys it;
+    `serve`: extra `epp serve` flags."""
     endpoints = _endpoints_file(group, pods)
-    address = _start_epp_serve(group, "epp", endpoints, *_tokenizer_args(group, pods))
+    address = _start_epp_serve(group, "epp", endpoints, *serve, *_tokenizer_args(group, pods))
     return _start_envoy(group, [address])
 
 
@@ -301,6 +310,10 @@ ROUTERS: dict[str, Callable[[ProcessGroup, Pods], str]] = {
         g, p, 3, "--config", str(SHARED_QUEUE_CONFIG)
     ),
     "smart-epp 2 workers": start_smart_epp_workers,
+    # The default with the duplicated-work price charged whole, as before it was shared.
+    "smart-epp whole duplication price": lambda g, p: start_smart_epp(
+        g, p, "--config", str(WHOLE_PRICE_CONFIG)
+    ),
     "vllm-router cache_aware": lambda g, p: start_vllm_router(g, p, "cache_aware"),
     "vllm-router kv_aware": lambda g, p: start_vllm_router(g, p, "kv_aware"),
     "sglang-router cache_aware": start_sglang_router,

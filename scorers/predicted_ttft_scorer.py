@@ -193,6 +193,10 @@ class PredictedTTFTParams(PluginParams):
     # an answer that never comes (60 s: longer than a queue any pool serves from; 60 and
     # 300 gave identical grids, README "Prefixes in flight"). 0 turns it off.
     routedPrefixSeconds: float = Field(default=60.0, ge=0)
+    # Share the price of computing again a prefix another pod holds with the prefix's
+    # recent followers that would find the copy's pod free (README, "A copy of a prefix
+    # serves its later followers too"); false charges the whole price to the one request.
+    shareDuplicationPrice: bool = True
     routedPrefixChunkTokens: int = Field(default=256, ge=1)
     # With shared pool state, hand each routed request and its answer to the other
     # pickers, and put theirs on this picker's queue model. Off by default: in the replay
@@ -726,11 +730,15 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                 # cache is full: there the copy pushes out other reused prefixes (the
                 # displaced price below) and may itself be gone before the followers come.
                 holder = hit_list.index(best_hit)
-                followers = self._followers(
-                    chunk_keys[holder] if chunk_keys else (),
-                    chunk_tokens[holder] if chunk_tokens else 0,
-                    best_hit,
-                    now,
+                followers = (
+                    self._followers(
+                        chunk_keys[holder] if chunk_keys else (),
+                        chunk_tokens[holder] if chunk_tokens else 0,
+                        best_hit,
+                        now,
+                    )
+                    if p.shareDuplicationPrice
+                    else 0
                 )
                 free_share = 1.0 / (1.0 + delayed_per_work)  # 1 - rho
                 # Candidates holding the same share (most often none of it) repeat the

@@ -390,14 +390,14 @@ def test_a_prefix_reused_lately_shares_its_duplication_price_with_its_followers(
     idle b is priced at rho / (1 - rho) x its prefill, so the request waits on a. When
     other requests reused that prefix in the last second (on c, outside this choice), a
     copy on b would serve the followers to come as well: the price is shared with those
-    that would find b free (1 - rho of them) and b computes it. Not when b's prefix cache is full, where the copy would push out
-    prefixes that are reused too."""
+    that would find b free (1 - rho of them) and b computes it. Not when b's prefix cache
+    is full, where the copy would push out prefixes that are reused too."""
 
-    def chosen(followers: int, b_held_blocks: int = 0) -> tuple[str, dict]:
+    def chosen(followers: int, b_held_blocks: int = 0, share: bool = True) -> tuple[str, dict]:
         # A slow running mean keeps the followers' small uncached parts from shrinking
         # the mean request, which prices a's queue.
         s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0, learningRate=0.001,
-                   meanPromptTokens=1024)  # fmt: skip
+                   meanPromptTokens=1024, shareDuplicationPrice=share)  # fmt: skip
         a, b = pod("a:1", waiting=4, num_gpu_blocks=1000), pod("b:1", num_gpu_blocks=1000)
         elsewhere = pod("c:1")
         for k in range(12):  # 1,024 cold tokens: 0.1024 s of prefill each
@@ -424,6 +424,10 @@ def test_a_prefix_reused_lately_shares_its_duplication_price_with_its_followers(
     assert b["duplicated_s"] == pytest.approx(1984 / RATE / (1 + 4 / (1 + delayed)))
     assert address == "b:1"
     address, comp = chosen(4, b_held_blocks=1000)
+    assert comp["b:1"]["duplicated_s"] == pytest.approx(1984 / RATE)
+    assert address == "a:1"
+    # Turned off, the copy is charged whole as before.
+    address, comp = chosen(4, share=False)
     assert comp["b:1"]["duplicated_s"] == pytest.approx(1984 / RATE)
     assert address == "a:1"
 
