@@ -700,8 +700,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
 
         duplicated: list[float] = [0.0] * len(pods)
         # Per pod, the held blocks the placement's new blocks would push out of a full
-        # prefix cache (0: room for them, or the cache unknown).
-        evicted = self._evicted_blocks(ctx, pods, own_list)
+        # prefix cache (0: room for them, or the cache unknown); read only where priced.
+        evicted: list[int] | None = None
         # rho / (1 - rho) is also an M/M/1 queue's mean wait in mean services, so the
         # queues give a second estimate of it: the work ahead on the median candidate,
         # in units of the mean request's prefill. It sees a saturation the routed prefill
@@ -741,6 +741,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                     else 0
                 )
                 free_share = 1.0 / (1.0 + delayed_per_work)  # 1 - rho
+                if followers:
+                    evicted = self._evicted_blocks(ctx, pods, own_list)
                 # Candidates holding the same share (most often none of it) repeat the
                 # same price: computed once per distinct share.
                 price_of: dict[float, float] = {}
@@ -751,7 +753,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                         if price is None:
                             price = price_of[extra] = cold_prefill_s(extra)
                         duplicated[i] = price
-                        if followers and evicted[i] <= 0:
+                        if evicted is not None and evicted[i] <= 0:
                             duplicated[i] = price / (1.0 + followers * free_share)
                         costs[i] += per_work * duplicated[i]
         # A prompt's new blocks on a pod whose prefix cache is full push as many held
@@ -763,7 +765,9 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         # cache holds more prefixes than fit and they evict each other.
         displaced = [0.0] * len(pods)
         reuse = self.reuse_rate
-        if reuse > 0:
+        if reuse > 0 and ctx.held_blocks:
+            if evicted is None:
+                evicted = self._evicted_blocks(ctx, pods, own_list)
             for i, gone_blocks in enumerate(evicted):
                 if gone_blocks > 0:
                     size = block_sizes.get(pods[i].endpoint.address) or 0
@@ -825,16 +829,18 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         out = [0] * len(pods)
         if not held_blocks:
             return out
-        block_sizes = ctx.block_sizes
-        for i, pod in enumerate(pods):
+        held_of = held_blocks.get
+        size_of = ctx.block_sizes.get
+        for i, (pod, mine) in enumerate(zip(pods, own, strict=True)):
             address = pod.endpoint.address
-            capacity = pod.metrics.num_gpu_blocks
-            block_size = block_sizes.get(address)
-            held_now = held_blocks.get(address)
-            if not capacity or not block_size or held_now is None:
+            held_now = held_of(address)
+            block_size = size_of(address)
+            if held_now is None or not block_size:
                 continue
-            new_blocks = int(own[i][0]) // block_size
-            out[i] = max(0, min(new_blocks, held_now + new_blocks - capacity))
+            capacity = pod.metrics.num_gpu_blocks
+            new_blocks = int(mine[0]) // block_size
+            if capacity and held_now + new_blocks > capacity:
+                out[i] = min(new_blocks, held_now + new_blocks - capacity)
         return out
 
     def _followers(
