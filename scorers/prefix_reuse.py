@@ -8,7 +8,7 @@ is the requests of the last window that found those chunks held.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Sequence
 
 # Events (one per key of a routed request) kept at most; the oldest go first beyond it.
@@ -22,8 +22,11 @@ class RecentReuse:
     def __init__(self, window_s: float, max_events: int = MAX_EVENTS) -> None:
         self.window_s = window_s
         self.max_events = max_events
-        self._events: deque[tuple[float, int]] = deque()
-        self._counts: Counter[int] = Counter()
+        # One event per key of a routed request, oldest first: its time and its key (two
+        # deques, so that an event allocates no tuple).
+        self._times: deque[float] = deque()
+        self._keys: deque[int] = deque()
+        self._counts: dict[int, int] = {}
 
     def __len__(self) -> int:
         """Distinct keys reused in the window."""
@@ -32,11 +35,12 @@ class RecentReuse:
     def add(self, keys: Sequence[int], now: float) -> None:
         """One request reused the prefix of chained `keys` (all of them, every depth)."""
         self._expire(now)
-        events, counts = self._events, self._counts
+        counts = self._counts
+        self._times.extend([now] * len(keys))
+        self._keys.extend(keys)
         for key in keys:
-            events.append((now, key))
-            counts[key] += 1
-        while len(events) > self.max_events:
+            counts[key] = counts.get(key, 0) + 1
+        while len(self._times) > self.max_events:
             self._drop_oldest()
 
     def count(self, key: int, now: float) -> int:
@@ -45,13 +49,14 @@ class RecentReuse:
         return self._counts.get(key, 0)
 
     def _expire(self, now: float) -> None:
-        events = self._events
+        times = self._times
         horizon = now - self.window_s
-        while events and events[0][0] <= horizon:
+        while times and times[0] <= horizon:
             self._drop_oldest()
 
     def _drop_oldest(self) -> None:
-        _, key = self._events.popleft()
+        self._times.popleft()
+        key = self._keys.popleft()
         left = self._counts[key] - 1
         if left:
             self._counts[key] = left
