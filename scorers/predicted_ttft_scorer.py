@@ -910,7 +910,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         keys = prediction.chunk_keys[i] if prediction.chunk_keys else ()
         self.routed_prefixes.add(keys, address, ctx.now)
         per_key = prediction.chunk_tokens[i] if prediction.chunk_tokens else 0
-        if per_key > 0 and prediction.hit_tokens[i] >= per_key:
+        if self.params.shareDuplicationPrice and 0 < per_key <= prediction.hit_tokens[i]:
             # The chunks the chosen pod holds: this request reuses that prefix.
             self.recent_reuse.add(keys[: int(prediction.hit_tokens[i]) // per_key], now)
         self._watch_prefill(ctx, address)
