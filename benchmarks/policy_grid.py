@@ -1,11 +1,13 @@
 """Every routing policy over a grid of workloads x loads x prefill-attention costs.
 
     .venv/bin/python benchmarks/policy_grid.py [--requests N] [--pods N] [--jobs N]
-        [--seed S] [--pod-slowdowns F,F,...] [--kv-tokens N] [--name STEM]
+        [--seed S] [--pod-slowdowns F,F,...] [--kv-tokens N] [--mooncake-start I]
+        [--name STEM]
 
-Cells: traces {Mooncake synthetic (the real trace's first N requests, its own arrival
-pattern time-scaled), an llm-d-shaped shared-prefix workload (distinct prompts, no prompt
-repeated), a ShareGPT-style multi-turn chat workload (seeded log-normal turn lengths)}
+Cells: traces {Mooncake synthetic (N consecutive requests of the real trace, its first
+unless `--mooncake-start` says otherwise, with their own arrival pattern time-scaled), an
+llm-d-shaped shared-prefix workload (distinct prompts, no prompt repeated), a ShareGPT-style
+multi-turn chat workload (seeded log-normal turn lengths)}
 x offered load {30%, 75%, 110% of the pool's raw prefill capacity: prompt tokens/s offered
 over pods / prefill_s_per_token, before any cache hit} x prefill attention per token pair
 {0, the profile value, 2x it}. Each cell replays the same requests, arrivals and seed for
@@ -170,9 +172,26 @@ def multi_turn_workload(n: int, seed: int) -> list[TraceRequest]:
     return out
 
 
-def load_workload(trace: str, n: int, seed: int) -> list[TraceRequest]:
+def mooncake_window(n: int, start: int = 0) -> list[TraceRequest]:
+    """Requests `start` to `start + n` of the Mooncake trace, indexed from 0 and their
+    timestamps from the first one's: a later stretch of the same service's traffic, as a
+    freshly started pool would see it. The seed does not choose the stretch (every seed's
+    Mooncake cells replay the same requests); this does."""
+    if start < 0:
+        raise ValueError("the window's start must be >= 0")
+    requests = load_trace(MOONCAKE, "mooncake", start + n, 0, MODEL)[start:]
+    if len(requests) < n:
+        raise ValueError(f"the Mooncake trace has no {n} requests from request {start}")
+    t0 = min(r.timestamp_s for r in requests)
+    for i, r in enumerate(requests):
+        r.index = i
+        r.timestamp_s -= t0
+    return requests
+
+
+def load_workload(trace: str, n: int, seed: int, mooncake_start: int = 0) -> list[TraceRequest]:
     if trace == "mooncake":
-        return load_trace(MOONCAKE, "mooncake", n, seed, MODEL)
+        return mooncake_window(n, mooncake_start)
     if trace == "shared-prefix":
         return shared_prefix_workload(n, seed)
     if trace == "shared-prefix-zipf":
@@ -226,9 +245,10 @@ def cell_setup(
     slowdowns: tuple[float, ...] = (),
     kv_tokens: int | None = None,
     profile: str = BASE_PROFILE,
+    mooncake_start: int = 0,
 ) -> tuple[Workload, SimConfig]:
     """One cell's requests with their arrivals, and its pool."""
-    requests = load_workload(cell.trace, n, seed)
+    requests = load_workload(cell.trace, n, seed, mooncake_start)
     arrivals = arrivals_for_load(cell.trace, requests, cell.load, pods, seed, slowdowns, profile)
     # Requests longer than the profile's context are rejected, the same ones for every policy.
     config = SimConfig(
@@ -251,6 +271,7 @@ def cell_setup_with_options(cell: Cell, args: argparse.Namespace) -> tuple[Workl
         args.pod_slowdowns,
         args.kv_tokens,
         args.profile,
+        args.mooncake_start,
     )
 
 
@@ -402,6 +423,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the pods' latency profile, whose attention cost the grid scales "
         "(default: %(default)s)",
     )
+    ap.add_argument(
+        "--mooncake-start",
+        type=int,
+        default=0,
+        metavar="I",
+        help="the Mooncake cells replay the trace's requests from request I on (default: "
+        "its first): the seed varies the generated workloads but not this trace, so "
+        "later stretches of it are the held-out Mooncake data",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     ap.add_argument("--name", default="policy_grid")
     ap.add_argument(
@@ -475,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         "pod_slowdowns": list(args.pod_slowdowns),
         "kv_tokens_per_pod": args.kv_tokens or PROFILES[args.profile].kv_tokens,
         "seed": args.seed,
+        "mooncake_start": args.mooncake_start,
         "profile": args.profile,
         "profile_attention_s_per_pair": PROFILES[args.profile].prefill_attention_s_per_token_pair,
         "load_definition": "offered prompt tokens/s / (pods / prefill_s_per_token)",

@@ -12,7 +12,8 @@ p90 among all the file's policies, its goal misses as `policy_grid.py` counts th
 over 1.03x the best, p50 over 1.10x, output tokens/s while arriving under 0.98x), and the
 geometric means over the cells of its p90 / the best p90 and of its tokens/s while arriving
 / the best. Grids whose seed is 0 are labelled `tuning` (a value is chosen on those), the
-others `held-out`. Writes `benchmarks/results/weight_sweep_<param>.json` by default.
+others, and those of later stretches of the Mooncake trace, `held-out`. Writes
+`benchmarks/results/weight_sweep_<param>.json` by default.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ DEFAULT_GRIDS = (
     "policy_grid_2000",
     "policy_grid_2000_seed1",
     "policy_grid_2000_seed2",
+    # Later stretches of the Mooncake trace (its requests 600-799, 1200-1399, ...), held out
+    # since they were written: every other grid's Mooncake cells are its first 200.
+    *(f"policy_grid_mooncake_from{start}" for start in range(600, 3601, 600)),
 )
 
 
@@ -87,6 +91,11 @@ def variant_config(param: str, value: float, folder: Path) -> str:
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     load_config(str(path))  # an unknown parameter fails here, before any cell runs
     return str(path)
+
+
+def grid_role(doc: dict[str, Any]) -> str:
+    """`tuning` for a seed-0 grid of the Mooncake trace's first requests, else `held-out`."""
+    return "tuning" if doc["seed"] == 0 and not doc.get("mooncake_start") else "held-out"
 
 
 def run_variant(cell: Cell, config: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -157,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                     variants.setdefault((stem, value), {})[key] = fut.result()
     totals: dict[str, dict[float, list[dict[str, Any]]]] = {"tuning": {}, "held-out": {}}
     for stem, doc in docs.items():
-        role = "tuning" if doc["seed"] == 0 else "held-out"
+        role = grid_role(doc)
         rows = {}
         for value in args.values:
             row = summarize_variant(doc["cells"], variants[stem, value])

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from smart_epp.benchmarks.policy_grid import main
+import pytest
+
+from smart_epp.benchmarks.policy_grid import grid_args, main, mooncake_window
 
 
 def test_updating_a_grid_reruns_only_the_named_policies_in_place(tmp_path):
@@ -32,3 +34,34 @@ def test_updating_a_grid_reruns_only_the_named_policies_in_place(tmp_path):
         {"policies": ["default"],
          "command": f"benchmarks/policy_grid.py --update {path} --policy default --jobs 1"}
     ]  # fmt: skip
+
+
+def test_a_mooncake_window_is_a_later_stretch_of_the_trace_started_afresh():
+    whole = mooncake_window(30)
+    later = mooncake_window(10, 20)
+    assert [r.index for r in later] == list(range(10))
+    assert later[0].timestamp_s == 0.0
+    for mine, theirs in zip(later, whole[20:], strict=True):
+        assert mine.token_ids() == theirs.token_ids()
+        assert mine.output_tokens == theirs.output_tokens
+        assert mine.timestamp_s == theirs.timestamp_s - whole[20].timestamp_s
+    # Start 0 is the trace's first requests, as every grid written before had them.
+    assert [r.token_ids() for r in mooncake_window(10, 0)] == [r.token_ids() for r in whole[:10]]
+    with pytest.raises(ValueError, match="no 10 requests"):
+        mooncake_window(10, 10**6)
+
+
+def test_a_grid_of_a_later_mooncake_window_records_it_and_replays_those_requests(tmp_path):
+    grid = ["--requests", "12", "--trace", "mooncake", "--load", "0.3", "--attention", "0",
+            "--policy", "round-robin", "--jobs", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert main([*grid, "--name", "first"]) == 0
+    assert main([*grid, "--name", "later", "--mooncake-start", "600"]) == 0
+    first = json.loads((tmp_path / "first.json").read_text())
+    later = json.loads((tmp_path / "later.json").read_text())
+    assert (first["mooncake_start"], later["mooncake_start"]) == (0, 600)
+    key = "mooncake load=0.3 attn=0x"
+    # Other prompts, other outputs: the figures differ.
+    figures = ("ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "output_tok_per_s")
+    rr_first, rr_later = first["cells"][key]["round-robin"], later["cells"][key]["round-robin"]
+    assert all(rr_first[f] != rr_later[f] for f in figures)
+    assert grid_args(later).mooncake_start == 600

@@ -6,6 +6,9 @@ import pytest
 
 from smart_epp.benchmarks.policy_grid import Cell, build_parser, grid_args, run_cell
 from smart_epp.benchmarks.weight_sweep import (
+    DEFAULT_GRIDS,
+    RESULTS,
+    grid_role,
     run_variant,
     summarize_variant,
     variant_config,
@@ -46,3 +49,12 @@ def test_the_defaults_own_value_reproduces_the_recorded_default(tmp_path):
     assert row["p90_over_best_geomean"] == pytest.approx(
         recorded["default"]["ttft_p90_s"] / best_p90, abs=1e-4
     )
+
+
+def test_seed_0_grids_tune_and_later_seeds_and_mooncake_stretches_are_held_out():
+    assert grid_role({"seed": 0}) == "tuning"
+    assert grid_role({"seed": 0, "mooncake_start": 0}) == "tuning"
+    assert grid_role({"seed": 1}) == "held-out"
+    assert grid_role({"seed": 0, "mooncake_start": 600}) == "held-out"
+    # Every grid a sweep reads by default is committed.
+    assert all((RESULTS / f"{stem}.json").exists() for stem in DEFAULT_GRIDS)
