@@ -189,6 +189,17 @@ def mooncake_window(n: int, start: int = 0) -> list[TraceRequest]:
     return requests
 
 
+def request_index(text: str) -> int:
+    """An argparse type: a request's index in a trace (an int >= 0)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a request index (an integer >= 0)")
+    return value
+
+
 def load_workload(trace: str, n: int, seed: int, mooncake_start: int = 0) -> list[TraceRequest]:
     if trace == "mooncake":
         return mooncake_window(n, mooncake_start)
@@ -425,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--mooncake-start",
-        type=int,
+        type=request_index,
         default=0,
         metavar="I",
         help="the Mooncake cells replay the trace's requests from request I on (default: "

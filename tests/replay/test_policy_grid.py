@@ -65,3 +65,6 @@ def test_a_grid_of_a_later_mooncake_window_records_it_and_replays_those_requests
     rr_first, rr_later = first["cells"][key]["round-robin"], later["cells"][key]["round-robin"]
     assert all(rr_first[f] != rr_later[f] for f in figures)
     assert grid_args(later).mooncake_start == 600
+    with pytest.raises(SystemExit):
+        main([*grid, "--name", "bad", "--mooncake-start", "-1"])
+    assert not (tmp_path / "bad.json").exists()
