@@ -63,7 +63,12 @@ from smart_epp.benchmarks.weight_sweep import DEFAULT_GRIDS
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 # The 600-request grids as well: a longer cell is a smaller sample error, the same test.
-ALL_GRIDS = (*DEFAULT_GRIDS, "policy_grid_600", "policy_grid_600_seed1")
+ALL_GRIDS = (
+    *DEFAULT_GRIDS,
+    "policy_grid_600",
+    "policy_grid_600_seed1",
+    *(f"policy_grid_600_mooncake_from{start}" for start in range(600, 3001, 600)),
+)
 
 
 @dataclass(frozen=True)

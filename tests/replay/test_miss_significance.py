@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from smart_epp.benchmarks.miss_significance import (
+    ALL_GRIDS,
     GOALS,
+    RESULTS,
     block_bootstrap_ratios,
     comparisons,
     judge,
@@ -97,3 +99,7 @@ def test_a_replayed_cell_gives_the_figures_the_grid_recorded():
         tokens = TOKENS.per_request(results)
         window = max(r.arrival_s for r in results) - min(r.arrival_s for r in results)
         assert tokens.sum() / window == pytest.approx(recorded[policy][TOKENS.field], rel=1e-6)
+
+
+def test_every_grid_resampled_by_default_is_committed():
+    assert all((RESULTS / f"{stem}.json").exists() for stem in ALL_GRIDS)
