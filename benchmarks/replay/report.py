@@ -66,6 +66,10 @@ class PolicySummary:
     # arrivals). `output_tok_per_s` runs to the last completion, so when the arrivals end
     # long before the longest answers do, it measures how the last few decodes went.
     output_tok_per_s_while_arriving: float | None = None
+    # The busiest pod's share of the prompt tokens computed (prompt less cached) over the
+    # mean pod's. Requests per pod (`load_imbalance`) can be even while one pod computes
+    # most of the long prompts; None when nothing was computed.
+    prefill_imbalance: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {k: _round(v) for k, v in asdict(self).items()}
@@ -102,6 +106,12 @@ def summarize(results: Sequence[RequestResult], pods: Sequence[str]) -> PolicySu
     per_pod = Counter(r.pod for r in results if r.pod is not None)
     counts = [per_pod.get(p, 0) for p in pods] if pods else list(per_pod.values())
     mean = sum(counts) / len(counts) if counts else 0.0
+    computed = Counter[str]()
+    for r in done:
+        if r.pod is not None:
+            computed[r.pod] += max(0, r.prompt_tokens - r.cached_tokens)
+    work = [computed.get(p, 0) for p in pods] if pods else list(computed.values())
+    mean_work = sum(work) / len(work) if work else 0.0
     rejected = [r for r in results if r.status == 400]
     reasons = Counter(r.error or "HTTP 400" for r in rejected)
     log_errors = [
@@ -124,6 +134,7 @@ def summarize(results: Sequence[RequestResult], pods: Sequence[str]) -> PolicySu
         rejected_reasons=dict(sorted(reasons.items())),
         ttft_prediction_factor=(math.exp(statistics.median(log_errors)) if log_errors else None),
         output_tok_per_s_while_arriving=tokens_per_s_while_arriving(results),
+        prefill_imbalance=max(work) / mean_work if mean_work else None,
     )
 
 
@@ -187,6 +198,7 @@ def render_table(
         "rejected",
         "prefix hit",
         "imbalance",
+        "prefill imbalance",
     ):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for name, s in summaries.items():
@@ -203,8 +215,10 @@ def render_table(
             str(s.rejected),
             f"{s.prefix_hit_rate:.1%}",
             f"{s.load_imbalance:.2f}",
+            "-" if s.prefill_imbalance is None else f"{s.prefill_imbalance:.2f}",
         )
     caption = "latencies in ms; imbalance = max/mean requests per pod"
+    caption += "; prefill imbalance = max/mean prompt tokens computed per pod"
     caption += "; rejected (HTTP 400, part of failed)"
     reasons: Counter[str] = Counter()
     for summary in summaries.values():

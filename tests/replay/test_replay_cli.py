@@ -35,6 +35,7 @@ SUMMARY_KEYS = {
     "rejected_reasons",
     "ttft_prediction_factor",
     "output_tok_per_s_while_arriving",
+    "prefill_imbalance",
 }
 
 
