@@ -66,9 +66,10 @@ class PolicySummary:
     # arrivals). `output_tok_per_s` runs to the last completion, so when the arrivals end
     # long before the longest answers do, it measures how the last few decodes went.
     output_tok_per_s_while_arriving: float | None = None
-    # The busiest pod's share of the prompt tokens computed (prompt less cached) over the
-    # mean pod's. Requests per pod (`load_imbalance`) can be even while one pod computes
-    # most of the long prompts; None when nothing was computed.
+    # The busiest pod's prompt tokens computed (prompt less cached, answered requests: a
+    # refused prompt computes nothing) over the mean pod's. Requests per pod
+    # (`load_imbalance`) can be even while one pod computes most of the long prompts;
+    # None when nothing was computed.
     prefill_imbalance: float | None = None
 
     def as_json(self) -> dict[str, Any]:
