@@ -45,10 +45,13 @@ CATALOG_POLLS = Counter(
 
 @dataclass(frozen=True, slots=True)
 class ServedModels:
-    """One pod's /v1/models answer: its base models and its adapters (name -> parent)."""
+    """One pod's /v1/models answer: its base models, its adapters (name -> parent) and
+    the longest request its engine accepts (vLLM's `max_model_len` on the base model's
+    card; None when the server does not say)."""
 
     base: frozenset[str]
     adapters: dict[str, str | None]
+    max_model_len: int | None = None
 
     def __contains__(self, model: object) -> bool:
         return model in self.base or model in self.adapters
@@ -60,17 +63,27 @@ def parse_models(document: Any) -> ServedModels:
         raise ValueError("not an OpenAI model list (no `data` array)")
     base: set[str] = set()
     adapters: dict[str, str | None] = {}
+    limits: list[int] = []
     for card in document["data"]:
         if not isinstance(card, dict) or not isinstance(card.get("id"), str) or not card["id"]:
             raise ValueError("model entry without a string `id`")
         parent = card.get("parent")
         if parent is None:
             base.add(card["id"])
+            limit = card.get("max_model_len")
+            if limit is not None:
+                if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                    raise ValueError(
+                        f"model {card['id']!r}: `max_model_len` must be a positive integer"
+                    )
+                limits.append(limit)
         elif isinstance(parent, str):
             adapters[card["id"]] = parent
         else:
             raise ValueError(f"model {card['id']!r}: `parent` must be a string or null")
-    return ServedModels(frozenset(base), adapters)
+    # One engine serves every name a pod lists (adapters run on the base model's engine,
+    # their cards say null); should the base cards differ, the smallest limit is safe.
+    return ServedModels(frozenset(base), adapters, min(limits) if limits else None)
 
 
 class UnknownModelError(RequestError):
@@ -129,6 +142,12 @@ class ModelCatalog:
 
     def served_by(self, address: str) -> ServedModels | None:
         return self._served.get(address)
+
+    def context_limit(self, address: str) -> int | None:
+        """The longest request (prompt + output tokens) the pod's engine accepts; None
+        when unknown."""
+        served = self._served.get(address)
+        return served.max_model_len if served is not None else None
 
     def base_model_of_pod(self, address: str) -> str | None:
         """The pod's base model. vLLM serves one per process, possibly under several

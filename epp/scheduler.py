@@ -40,6 +40,7 @@ from ..kv_index.api import BlockIndex
 from ..kv_index.lookup import IndexPrefixMatcher, ModelOf
 from ..kv_index.memory import DEFAULT_SPECULATIVE_TTL_S
 from .config import LoadedConfig, PluginSet, Profile, instantiate, load_config
+from .context_limit import ContextLimitOf, pods_that_hold
 from .tokenization import LocalTokenizer, PodTokenizer, TokenizerRouter
 from .tokenizer_discovery import TokenizerDiscovery
 
@@ -133,9 +134,13 @@ class PipelineScheduler:
         metrics: SchedulerMetrics | None = None,
         speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
         prefill_progress: PrefillProgressView | None = None,
+        context_limit_of: ContextLimitOf | None = None,
     ) -> None:
         self.plugins = plugins
         self.prefill_progress = prefill_progress
+        # Each pod's longest accepted request, for the candidates that can hold a prompt
+        # whose token count is known (epp/context_limit.py).
+        self.context_limit_of = context_limit_of
         self.fallbacks = fallbacks
         self.speculative_ttl_s = speculative_ttl_s
         self.profile = self._choose_profile(plugins.profiles, profile)
@@ -266,9 +271,22 @@ class PipelineScheduler:
 
     # ------------------------------------------------------------------ decide
 
+    def _that_hold(
+        self, ctx: SchedulingContext, candidates: Sequence[PodState]
+    ) -> Sequence[PodState]:
+        """The candidates whose context holds the request; raises vLLM's 400 when none
+        does. Only with the prompt's token ids: a count estimated from characters could
+        refuse a prompt the pods would take."""
+        if self.context_limit_of is None or ctx.token_ids is None:
+            return candidates
+        return pods_that_hold(
+            candidates, ctx.prompt_tokens, ctx.request.max_tokens, self.context_limit_of
+        )
+
     async def schedule(self, request: LLMRequest, candidates: Sequence[PodState]) -> Decision:
         start = time.perf_counter()
         ctx = await self.prepare(request, candidates)
+        candidates = self._that_hold(ctx, candidates)
         decision = self.decide(ctx, candidates)
         if self._e2e is not None:
             self._e2e.observe(time.perf_counter() - start)
@@ -283,6 +301,7 @@ class PipelineScheduler:
         """The whole decision without I/O; `prefix_hits` overrides the index lookup."""
         start = time.perf_counter()
         ctx = self.prepare_sync(request, candidates, prefix_hits)
+        candidates = self._that_hold(ctx, candidates)
         decision = self.decide(ctx, candidates)
         if self._e2e is not None:
             self._e2e.observe(time.perf_counter() - start)
@@ -521,6 +540,7 @@ def build_scheduler(
     record_e2e: bool = True,
     speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
     tokenizer_discovery: TokenizerDiscovery | None = None,
+    context_limit_of: ContextLimitOf | None = None,
 ) -> PipelineScheduler:
     """Builds the scheduler for a config (a built-in name, a YAML path, or loaded config).
 
@@ -544,6 +564,8 @@ def build_scheduler(
       prompt the policy predicts to wait (`SPECULATIVE_TTFT_MARGIN`).
     - `registry` / `record_e2e`: where the duration histograms go; `record_e2e=False` when
       the caller already times the scheduling call under the same e2e metric name.
+    - `context_limit_of`: each pod's `max_model_len` (the model catalog's), so that a
+      prompt goes only to pods that can hold it and one no pod can is refused (400).
     """
     plugins = instantiate(load_config(config))
     if ingest_state is not None:
@@ -564,6 +586,7 @@ def build_scheduler(
         metrics=scheduler_metrics(registry, record_e2e=record_e2e),
         speculative_ttl_s=speculative_ttl_s,
         prefill_progress=getattr(ingest_state, "progress", None),
+        context_limit_of=context_limit_of,
     )
     if tokenizer is None or tokenizer is True:
         if scheduler.needs_tokens:

@@ -290,6 +290,7 @@ async def serve(
         tokenizer_discovery=(
             TokenizerDiscovery(options.tokenizers_dirs) if options.tokenizer_discovery else None
         ),
+        context_limit_of=catalog.context_limit,
     )
     metrics.registry.register(LearnedCosts(lambda: list(scheduler.plugins.plugins.values())))
     if shared is not None:

@@ -32,13 +32,32 @@ def test_vllm_model_list_gives_base_model_and_adapters_with_parent() -> None:
     served = parse_models(json.loads((VLLM_FIXTURES / "lora" / "models.json").read_text()))
     assert served.base == {"tiny"}
     assert served.adapters == {"lora-a": "tiny", "lora-b": "tiny"}
+    # The engine's context comes on the base model's card (the adapters' say null).
+    assert served.max_model_len == 1024
     basic = parse_models(json.loads((VLLM_FIXTURES / "basic" / "models.json").read_text()))
     assert basic.adapters == {} and len(basic.base) == 1
 
 
+def test_a_model_list_without_max_model_len_leaves_the_context_unknown() -> None:
+    served = parse_models({"data": [{"id": "m", "parent": None}]})
+    assert served.max_model_len is None
+    catalog = ModelCatalog()
+    catalog.update("10.0.0.1:8000", served)
+    assert catalog.context_limit("10.0.0.1:8000") is None
+    assert catalog.context_limit("10.0.0.9:8000") is None  # a pod never heard from
+
+
 @pytest.mark.parametrize(
     "document",
-    [[], {"object": "list"}, {"data": [{"object": "model"}]}, {"data": [{"id": "a", "parent": 3}]}],
+    [
+        [],
+        {"object": "list"},
+        {"data": [{"object": "model"}]},
+        {"data": [{"id": "a", "parent": 3}]},
+        {"data": [{"id": "a", "max_model_len": "4096"}]},
+        {"data": [{"id": "a", "max_model_len": 0}]},
+        {"data": [{"id": "a", "max_model_len": True}]},
+    ],
 )
 def test_malformed_model_lists_are_refused(document: object) -> None:
     with pytest.raises(ValueError):
@@ -113,7 +132,11 @@ async def test_poller_learns_each_pods_models_and_keeps_them_through_a_failure()
         try:
             first, _, third = (p.http_address for p in pool.pods)
             # The first round is done when start() returns.
-            assert catalog.served_by(third) == ServedModels(frozenset({MODEL}), {"lora-a": MODEL})
+            engine = pool.pods[2].pod.engine
+            assert catalog.served_by(third) == ServedModels(
+                frozenset({MODEL}), {"lora-a": MODEL}, engine.max_model_len
+            )
+            assert catalog.context_limit(third) == engine.max_model_len
             assert catalog.servers("lora-b") == {first}
             assert sorted(changes) == sorted(p.http_address for p in pool.pods)
 

@@ -71,6 +71,30 @@ async def test_b_adapter_requests_go_to_the_pods_serving_them(tmp_path: Path) ->
                 assert error["param"] == "model" and error["code"] == 404
                 after = [sum(h.pod.engine.stats.request_success.values()) for h in pool.pods]
                 assert after == before
+
+                # A prompt longer than every pod's context (their /v1/models max_model_len):
+                # 400 from the gateway in vLLM's words, and no pod is asked.
+                offered: set[str] = set()  # request ids an engine was asked to take
+                for h in pool.pods:
+                    engine = h.pod.engine
+
+                    def seen(req, engine_validate=engine.validate):  # type: ignore[no-untyped-def]
+                        offered.add(req.request_id)
+                        return engine_validate(req)
+
+                    engine.validate = seen  # type: ignore[method-assign]
+                limit = pool.pods[0].pod.engine.max_model_len
+                await gw.via_gateway({"model": MODEL, "prompt": [7] * 100, "max_tokens": 2})
+                assert len(offered) == 1  # an ordinary request reaches a pod's engine
+                body = {"model": MODEL, "prompt": [7] * (limit + 10), "max_tokens": 2}
+                async with gw.http.post(f"{gw.envoy.url}/v1/completions", json=body) as resp:
+                    assert resp.status == 400
+                    error = (await resp.json())["error"]
+                assert error["message"].startswith(
+                    f"This model's maximum context length is {limit} tokens."
+                )
+                assert error["param"] == "input_tokens" and error["code"] == 400
+                assert len(offered) == 1
         assert "Traceback" not in epp.log()
 
 
