@@ -41,6 +41,7 @@ TINY_MODEL = REPO / "tests" / "fixtures" / "vllm" / "model" / "tiny-model"
 MODEL = "tiny"
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 8192
+CONTEXT_LIMIT = 32768  # each pod's max_model_len: every prompt here fits
 INDEX_ENTRIES = 1_000_000
 CONFIGS = ("default", "llmd-precise", "gie-default")
 GOALS_P99_MS = {64: 1.0, 256: 3.0}  # without tokenization
@@ -170,6 +171,7 @@ async def run(pod_counts: list[int], iterations: int, seed: int) -> dict:
     }
     for n_pods in pod_counts:
         pods = make_pods(n_pods, rng)
+        context_limits = {p.address: CONTEXT_LIMIT for p in pods}
         index = fill_index(pods, prompt, rng)
         gc.collect()
         baseline = await measure(
@@ -183,9 +185,16 @@ async def run(pod_counts: list[int], iterations: int, seed: int) -> dict:
         }
         for name in CONFIGS:
             # With the KV-event ingest state, as `epp serve` builds it: every routed request's
-            # uncached blocks are watched for its prefill progress.
+            # uncached blocks are watched for its prefill progress; and with every pod's
+            # context length known, as its /v1/models gives it, so that each decision checks
+            # the prompt against them (epp/context_limit.py).
             scheduler = build_scheduler(
-                name, index=index, tokenizer=tokenizer, seed=seed, ingest_state=IngestState()
+                name,
+                index=index,
+                tokenizer=tokenizer,
+                seed=seed,
+                ingest_state=IngestState(),
+                context_limit_of=context_limits.get,
             )
             plain = await measure(scheduler, pods, lambda: token_request(prompt, rng), iterations)
             tokenized = await measure(
