@@ -257,6 +257,7 @@ def cell_setup(
     kv_tokens: int | None = None,
     profile: str = BASE_PROFILE,
     mooncake_start: int = 0,
+    context_limits: bool = False,
 ) -> tuple[Workload, SimConfig]:
     """One cell's requests with their arrivals, and its pool."""
     requests = load_workload(cell.trace, n, seed, mooncake_start)
@@ -268,6 +269,7 @@ def cell_setup(
         model=MODEL,
         pod_slowdowns=slowdowns,
         num_blocks=None if kv_tokens is None else kv_tokens // BLOCK_SIZE,
+        context_limits=context_limits,
     )
     return Workload(requests, arrivals), config
 
@@ -283,6 +285,7 @@ def cell_setup_with_options(cell: Cell, args: argparse.Namespace) -> tuple[Workl
         args.kv_tokens,
         args.profile,
         args.mooncake_start,
+        args.context_limits,
     )
 
 
@@ -443,6 +446,14 @@ def build_parser() -> argparse.ArgumentParser:
         "its first): the seed varies the generated workloads but not this trace, so "
         "later stretches of it are the held-out Mooncake data",
     )
+    ap.add_argument(
+        "--context-limits",
+        action="store_true",
+        help="smart-epp's pickers check each prompt against the pods' context length, as "
+        "`epp serve` does: a prompt longer than the profile's (a tenth to a quarter of "
+        "each Mooncake stretch) is refused by the picker instead of by a pod, and is not "
+        "priced meanwhile; off by default, as the committed grids were run",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     ap.add_argument("--name", default="policy_grid")
     ap.add_argument(
@@ -517,6 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_tokens_per_pod": args.kv_tokens or PROFILES[args.profile].kv_tokens,
         "seed": args.seed,
         "mooncake_start": args.mooncake_start,
+        "context_limits": args.context_limits,
         "profile": args.profile,
         "profile_attention_s_per_pair": PROFILES[args.profile].prefill_attention_s_per_token_pair,
         "load_definition": "offered prompt tokens/s / (pods / prefill_s_per_token)",

@@ -113,6 +113,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-model-len", type=int, help="sim mode: lower the profile's context limit")
     p.add_argument(
+        "--context-limits",
+        action="store_true",
+        help="sim mode: smart-epp's pickers check each prompt against the pods' context "
+        "length, as `epp serve` does (a prompt no pod holds is refused by the picker, "
+        "not sent); off by default, as the committed policy grids were run",
+    )
+    p.add_argument(
         "--pod-slowdowns",
         type=parse_slowdowns,
         default=(),
@@ -225,7 +232,13 @@ def simulate_policy(
     flow control the simulation's flow runs, with `objectives` for priorities."""
     pool = SimPool.build(config)
     clock_box: list[Simulation] = []
-    ctx = PolicyContext(pool, lambda: clock_box[0].now if clock_box else 0.0, seed, config.model)
+    ctx = PolicyContext(
+        pool,
+        lambda: clock_box[0].now if clock_box else 0.0,
+        seed,
+        config.model,
+        config.context_limits,
+    )
     pickers = build_pickers(name, ctx)
     shown = label or policy_label(name)
     task = progress.add_task(shown, total=len(workload.requests)) if progress else None
@@ -284,6 +297,7 @@ def run_sim(args: argparse.Namespace, workload: Workload, console: Console) -> i
         model=model,
         routing_latency_s=args.routing_latency,
         pod_slowdowns=args.pod_slowdowns,
+        context_limits=args.context_limits,
     )
     flow_control: LoadedConfig | None = None
     if args.flow_control:

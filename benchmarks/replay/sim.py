@@ -71,6 +71,10 @@ class SimConfig:
     # this often: a busy pool's pickers send and read change notices about once per
     # notice gap (epp/shared_state/sync.py, DEFAULT_NOTICE_GAP_S).
     sync_interval_s: float = 0.02
+    # smart-epp's pickers send a prompt only to engines whose max_model_len holds it and
+    # refuse one none holds, as `epp serve` does with the pods' /v1/models
+    # (epp/context_limit.py). Off by default: the committed policy grids predate it.
+    context_limits: bool = False
 
     def slowdown(self, i: int) -> float:
         """Pod `i`'s step time as a multiple of the profile's."""
@@ -394,6 +398,10 @@ class Simulation:
         try:
             await flow.route(tracked, admitted=True)
         except RequestError as error:
+            if error.status == 400:
+                # Refused by the picker itself (a prompt no engine's context holds): the
+                # reason's first sentence, which names the limit and not the prompt.
+                result.error = "picker: " + error.message.split(". ")[0]
             self._fail(result, error.status)
             return
         flow.routed(tracked)

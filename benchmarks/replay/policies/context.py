@@ -15,6 +15,9 @@ class PolicyContext:
     clock: Callable[[], float]  # the simulation's virtual clock
     seed: int
     model: str
+    # Whether smart-epp's pickers check prompts against the engines' context lengths
+    # (SimConfig.context_limits).
+    context_limits: bool = False
 
 
 def split_count(name: str) -> tuple[str, str]:

@@ -82,6 +82,12 @@ def _build(
         base_model=ctx.model,
         clock=ctx.clock,
         seed=ctx.seed,
+        # What `epp serve` reads from each pod's /v1/models.
+        context_limit_of=(
+            (lambda address: ctx.pool.engines[address].max_model_len)
+            if ctx.context_limits
+            else None
+        ),
     )
 
     async def deliver(pod: str, seq: int, payload: bytes) -> None:
