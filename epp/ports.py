@@ -4,12 +4,35 @@ telling when one of them listens."""
 from __future__ import annotations
 
 import socket
+import threading
+from collections import deque
+
+# Ports handed out lately by this process. The kernel may give the same free port to two
+# binds of port 0 in a row (it is free again as soon as the probe socket closes), and the
+# callers here pick several ports before any process binds them: two of one pod's
+# sockets, or two pods, then collide. A port is not handed out again while it is among
+# the last RECENT_PORTS picked.
+RECENT_PORTS = 4096
+_recent: deque[int] = deque(maxlen=RECENT_PORTS)
+_recent_set: set[int] = set()
+_lock = threading.Lock()
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out lately by this process."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        with _lock:
+            if port in _recent_set:
+                continue
+            if len(_recent) == RECENT_PORTS:
+                _recent_set.discard(_recent[0])
+            _recent.append(port)
+            _recent_set.add(port)
+            return port
+    raise OSError("no free port that was not handed out lately")
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

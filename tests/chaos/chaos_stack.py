@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 from support.envoy import EnvoyProcess, async_running_envoy
-from support.net import async_wait_until, free_port, port_open
+from support.net import async_wait_until, free_port_run, port_open
 
 from smart_epp.epp.processes import stop_process
 
@@ -147,13 +147,17 @@ async def chaos_stack(
     serve_args: tuple[str, ...] = (),
     **envoy_overrides: object,
 ) -> AsyncIterator[Stack]:
-    sims = [
-        SimPod(free_port(), free_port(), free_port(), workdir / f"pod{i}.log", time_scale)
-        for i in range(pods)
-    ]
+    # Every port of the stack from one run of distinct free ports: ports picked one at a
+    # time can repeat (each is free again once picked), and a restarted pod binds its
+    # ports again, so they stay below the ephemeral range (support/net.py).
+    base = free_port_run(3 * pods + 3)
+    sims = []
+    for i in range(pods):
+        http, kv, replay = range(base + 3 * i, base + 3 * i + 3)
+        sims.append(SimPod(http, kv, replay, workdir / f"pod{i}.log", time_scale))
     pool = workdir / "pool.yaml"
     write_pool(pool, sims)
-    grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
+    grpc_port, health_port, metrics_port = range(base + 3 * pods, base + 3 * pods + 3)
     serve = [*CLI, "serve", "--grpc-port", str(grpc_port), "--health-port", str(health_port),
              "--metrics-port", str(metrics_port), "--endpoints-file", str(pool),
              "--model", MODEL, "--scrape-interval", "0.1", *serve_args]  # fmt: skip
