@@ -21,9 +21,18 @@ from .errors import RequestError
 ContextLimitOf = Callable[[str], int | None]
 
 
+def holds(prompt_tokens: int, max_tokens: int | None, limit: int) -> bool:
+    """Whether a request runs within `limit` tokens of context: its prompt leaves room for
+    one output token and its `max_tokens` (vLLM clamps it to the room left) is not past
+    the limit."""
+    return prompt_tokens < limit and (max_tokens is None or max_tokens <= limit)
+
+
 def context_problem(prompt_tokens: int, max_tokens: int | None, limit: int) -> RequestError | None:
     """The 400 vLLM (0.32) answers when a request cannot run within `limit` tokens of
     context; None when it can."""
+    if holds(prompt_tokens, max_tokens, limit):
+        return None
     if max_tokens is not None and max_tokens > limit:
         return RequestError.bad_request(
             f"max_tokens={max_tokens} cannot be greater than max_model_len={limit}. "
@@ -38,12 +47,10 @@ def context_problem(prompt_tokens: int, max_tokens: int | None, limit: int) -> R
             f"(parameter=input_tokens, value={prompt_tokens})",
             "input_tokens",
         )
-    if prompt_tokens == limit:
-        return RequestError.bad_request(
-            "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
-            "max_tokens",
-        )
-    return None
+    return RequestError.bad_request(  # the prompt fills the context
+        "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+        "max_tokens",
+    )
 
 
 def pods_that_hold(
@@ -55,18 +62,15 @@ def pods_that_hold(
     """The candidates whose context holds the request (a pod whose limit is unknown is
     taken to). Raises the 400 of the pod with the longest context when none does."""
     fitting: list[PodState] = []
-    refusal: RequestError | None = None
-    longest = -1
+    longest = 0  # the longest context among the pods that cannot hold it
     for pod in pods:
         limit = limit_of(pod.address)
-        if limit is None:
-            fitting.append(pod)
-            continue
-        problem = context_problem(prompt_tokens, max_tokens, limit)
-        if problem is None:
+        if limit is None or holds(prompt_tokens, max_tokens, limit):
             fitting.append(pod)
         elif limit > longest:
-            longest, refusal = limit, problem
-    if fitting or refusal is None:
+            longest = limit
+    if fitting or not longest:
         return fitting
+    refusal = context_problem(prompt_tokens, max_tokens, longest)
+    assert refusal is not None
     raise refusal

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections import deque
 
 # Ports handed out lately by this process. The kernel may give the same free port to two
 # binds of port 0 in a row (it is free again as soon as the probe socket closes), and the
@@ -13,8 +12,7 @@ from collections import deque
 # sockets, or two pods, then collide. A port is not handed out again while it is among
 # the last RECENT_PORTS picked.
 RECENT_PORTS = 4096
-_recent: deque[int] = deque(maxlen=RECENT_PORTS)
-_recent_set: set[int] = set()
+_recent: dict[int, None] = {}  # in the order handed out (dicts keep insertion order)
 _lock = threading.Lock()
 
 
@@ -25,12 +23,11 @@ def free_port() -> int:
             s.bind(("127.0.0.1", 0))
             port: int = s.getsockname()[1]
         with _lock:
-            if port in _recent_set:
+            if port in _recent:
                 continue
-            if len(_recent) == RECENT_PORTS:
-                _recent_set.discard(_recent[0])
-            _recent.append(port)
-            _recent_set.add(port)
+            if len(_recent) >= RECENT_PORTS:
+                del _recent[next(iter(_recent))]
+            _recent[port] = None
             return port
     raise OSError("no free port that was not handed out lately")
 
