@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from itertools import count
 from pathlib import Path
+from typing import Any
 
 from smart_epp.epp.round_robin import RoundRobinScheduler
 from smart_epp.epp.scheduler import build_scheduler
@@ -152,12 +153,12 @@ async def measure(
     return summarize(samples)
 
 
-async def run(pod_counts: list[int], iterations: int, seed: int) -> dict:
+async def run(pod_counts: list[int], iterations: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     tokenizer = LocalTokenizer.from_model_dir(TINY_MODEL)
     prompt = [rng.randrange(0, 700) for _ in range(PROMPT_TOKENS)]
     base_text = long_text(tokenizer, PROMPT_TOKENS - 16, rng)
-    results: dict = {
+    results: dict[str, Any] = {
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
@@ -177,7 +178,7 @@ async def run(pod_counts: list[int], iterations: int, seed: int) -> dict:
         baseline = await measure(
             RoundRobinScheduler(), pods, lambda: token_request(prompt, rng), iterations
         )
-        point: dict = {
+        point: dict[str, Any] = {
             "pods": n_pods,
             "index_entries": index.entries,
             "baseline_round_robin": baseline,

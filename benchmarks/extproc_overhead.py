@@ -37,6 +37,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 from smart_epp.benchmarks.process_cpu import cpu_seconds, tree_cpu_seconds
 from smart_epp.epp.ports import free_port, port_open
@@ -303,7 +304,7 @@ def breakdown(iterations: int) -> dict[str, float]:
                 event = px.read_event(message, response_started=exchange.phase is not Phase.ROUTED)
                 replies = await exchange.handle(event)
                 for reply in replies:
-                    if type(reply) is not bytes:
+                    if not isinstance(reply, bytes):
                         reply.SerializeToString()
                 exchange.after_replies()
             exchange.close()
@@ -414,7 +415,7 @@ def measure_mode(
     backend: str,
     args: argparse.Namespace,
     workdir: Path,
-) -> dict[str, object]:
+) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "tests"))
     from smart_epp.epp.envoy_cmd import EnvoyOptions, envoy_command, render_envoy_config
 
@@ -439,13 +440,14 @@ def measure_mode(
         def ready() -> bool:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=1) as r:
-                    return r.status == 200
+                    status: int = r.status
+                    return status == 200
             except OSError:
                 return False
 
         wait_for(ready, 20, "Envoy ready")
 
-        async def run() -> dict[str, object]:
+        async def run() -> dict[str, Any]:
             # Warm both routes (connections, caches) before measuring.
             await run_concurrent(listen, True, args.warmup, 8)
             await run_concurrent(listen, False, args.warmup, 8)
@@ -609,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
                      "--serve-data-path", str(grpc_port), backend]  # fmt: skip
         epp = stack.enter_context(process(serve, workdir / "epp.log", processor_cpus))
         wait_for(lambda: port_open(backend_port) and port_open(grpc_port), 30, "backend and epp")
-        modes = {}
+        modes: dict[str, dict[str, Any]] = {}
         for body_mode in args.body_modes.split(","):
             print(f"measuring {body_mode} ...", file=sys.stderr)
             modes[body_mode] = measure_mode(body_mode, grpc_port, epp.pid, backend, args, workdir)
@@ -625,17 +627,16 @@ def main(argv: list[str] | None = None) -> int:
             )
         )  # fmt: skip
         wait_for(lambda: port_open(floor_port), 30, "do-nothing processor")
-        results["do_nothing_processor_full_duplex"] = measure_mode(
-            "full-duplex", floor_port, floor.pid, backend, args, workdir
-        )
+        floor_mode = measure_mode("full-duplex", floor_port, floor.pid, backend, args, workdir)
+        results["do_nothing_processor_full_duplex"] = floor_mode
 
     print("in-process breakdown ...", file=sys.stderr)
     parts = breakdown(2000 if args.quick else 20000)
     results["epp_work_breakdown_us_per_request"] = parts
     reference = modes.get("full-duplex") or next(iter(modes.values()))
-    cpu_per_request = float(reference["epp_cpu_us_per_request"])  # type: ignore[arg-type]
+    cpu_per_request = float(reference["epp_cpu_us_per_request"])
     own_work = parts["whole_exchange_without_grpc_us"]
-    floor_cpu = results["do_nothing_processor_full_duplex"]["epp_cpu_us_per_request"]  # type: ignore[index]
+    floor_cpu = floor_mode["epp_cpu_us_per_request"]
     results["where_the_time_goes"] = {
         "epp_cpu_us_per_request": cpu_per_request,
         "epp_own_work_us_in_process": own_work,
@@ -644,9 +645,9 @@ def main(argv: list[str] | None = None) -> int:
         "note": "CPU per request of epp vs a processor that does nothing on the same gRPC "
         "stack (grpc.aio on uvloop); epp's own work is the in-process exchange without gRPC",
     }
-    concurrent = reference[f"concurrent_{args.concurrency}"]  # type: ignore[index]
+    concurrent = reference[f"concurrent_{args.concurrency}"]
     paced_key = f"paced_{args.paced_rate:g}_per_s_over_{args.concurrency}_connections"
-    paced = reference[paced_key]  # type: ignore[index]
+    paced = reference[paced_key]
     results["verdict"] = {
         "latency_goal_measured_on": paced_key,
         "added_median_ms_paced": paced["added_median_ms"],

@@ -29,7 +29,13 @@ import msgspec
 
 from smart_epp.epp.ports import free_port, port_open
 from smart_epp.epp.shared_state.private_store import server_command
-from smart_epp.kv_index.events import BlockStored, EventBatch, decode_batch, encode_batch
+from smart_epp.kv_index.events import (
+    BlockHash,
+    BlockStored,
+    EventBatch,
+    decode_batch,
+    encode_batch,
+)
 from smart_epp.kv_index.ingest import IngestState
 from smart_epp.kv_index.keys import KeyScope, block_keys
 from smart_epp.kv_index.memory import MemoryBlockIndex
@@ -66,8 +72,8 @@ class NaiveIndex:
         return out
 
 
-def naive_keys(tokens: Sequence[int], block: int) -> list[int]:
-    keys, parent = [], b"root"
+def naive_keys(tokens: Sequence[int], block: int, parent: bytes = b"root") -> list[int]:
+    keys = []
     for i in range(len(tokens) // block):
         digest = hashlib.sha256(parent + repr(tuple(tokens[i * block : (i + 1) * block])).encode())
         parent = digest.digest()
@@ -79,13 +85,17 @@ _plain = msgspec.msgpack.Decoder()
 
 
 def naive_ingest(payloads: list[bytes]) -> int:
-    index, maps, n = NaiveIndex(), {}, 0
+    index, n = NaiveIndex(), 0
+    maps: dict[int, int] = {}  # vLLM block hash -> our key
     for payload in payloads:
         _, events, _ = _plain.decode(payload)
         for ev in events:
             parent = ev.get("parent_block_hash")
-            prefix = maps.get(parent, []) if parent is not None else []
-            keys = naive_keys(prefix + ev["token_ids"], BLOCK)[len(prefix) // BLOCK :]
+            seed = maps.get(parent) if parent is not None else None
+            # A chain stored after its parent goes on from the parent's key, as
+            # IngestState's does; an unknown parent starts from the root.
+            start = b"root" if seed is None else seed.to_bytes(8, "big")
+            keys = naive_keys(ev["token_ids"], BLOCK, start)
             for h, k in zip(ev["block_hashes"], keys, strict=True):
                 maps[h] = k
             index.add("pod", keys)
@@ -102,7 +112,7 @@ def make_payloads(batches: int, blocks_per_event: int, rng: random.Random) -> li
     next_hash = 1
     for _ in range(batches):
         tokens = [rng.randrange(50_000) for _ in range(BLOCK * blocks_per_event)]
-        hashes = list(range(next_hash, next_hash + blocks_per_event))
+        hashes: list[BlockHash] = list(range(next_hash, next_hash + blocks_per_event))
         next_hash += blocks_per_event
         ev = BlockStored(block_hashes=hashes, token_ids=tokens, block_size=BLOCK, medium="GPU")
         payloads.append(encode_batch(EventBatch(ts=time.time(), events=[ev], data_parallel_rank=0)))

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import shutil
@@ -151,7 +152,7 @@ def start_pods(
         tokenizer_files=tokenizer,
     )
     for address in pods.addresses:
-        wait_for(f"pod {address}", lambda a=address: http_ok(f"http://{a}/health"), sim, 60)
+        wait_for(f"pod {address}", functools.partial(http_ok, f"http://{address}/health"), sim, 60)
     return pods
 
 
@@ -238,7 +239,7 @@ def start_smart_epp_replicas(group: ProcessGroup, pods: Pods, count: int = 3, *s
     store = group.start("valkey", server_command(group.workdir, unix_socket=socket_path))
     wait_for("Valkey", lambda: answers(socket_path), store, 30)
     endpoints = _endpoints_file(group, pods)
-    shared = ("--shared-state", "redis", "--redis-url", f"unix://{socket_path}")
+    shared: tuple[str, ...] = ("--shared-state", "redis", "--redis-url", f"unix://{socket_path}")
     shared += (*sync, *_tokenizer_args(group, pods))
     replicas = [_start_epp_serve(group, f"epp{i}", endpoints, *shared) for i in range(count)]
     return _start_envoy(group, replicas)
@@ -484,7 +485,9 @@ def _picker_pages(group: ProcessGroup) -> dict[str, str]:
         pages: dict[str, str] = {}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
             for managed in group.processes:
-                argv = [str(a) for a in managed.process.args]
+                args = managed.process.args
+                assert isinstance(args, list)  # ProcessGroup.start takes an argv list
+                argv = [str(a) for a in args]
                 if "serve" not in argv or "--metrics-port" not in argv:
                     continue
                 port = argv[argv.index("--metrics-port") + 1]
@@ -641,7 +644,9 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def compare(table: dict[str, dict[str, Any]], runs: dict[str, list[dict[str, Any]]]) -> dict:
+def compare(
+    table: dict[str, dict[str, Any]], runs: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
     """smart-epp's TTFT p90 against each peer's: ratio of medians and per-repeat wins."""
     out: dict[str, Any] = {}
     ours = table.get("smart-epp", {}).get("ttft_p90_s")

@@ -173,7 +173,8 @@ def block_bootstrap_ratios(
     blocks = -(-n // block)
     starts = rng.integers(0, n, size=(resamples, blocks))
     idx = (starts[:, :, None] + np.arange(block)[None, None, :]).reshape(resamples, -1)[:, :n] % n
-    return statistic(mine[idx]) / statistic(best[idx])
+    ratios: np.ndarray = statistic(mine[idx]) / statistic(best[idx])
+    return ratios
 
 
 def judge(

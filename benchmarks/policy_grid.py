@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -99,8 +99,14 @@ def grid_profile(factor: float, base_name: str = BASE_PROFILE) -> str:
     return name
 
 
+class _Shape(TypedDict):
+    system_prompt_len: int
+    question_len: int
+    output_len: int
+
+
 # llm-d's benchmark shape: 6,000-token system prompts, 1,200-token questions.
-LLMD_SHAPE = {"system_prompt_len": 6000, "question_len": 1200, "output_len": 200}
+LLMD_SHAPE: _Shape = {"system_prompt_len": 6000, "question_len": 1200, "output_len": 200}
 
 
 def shared_prefix_workload(n: int, seed: int) -> list[TraceRequest]:
@@ -298,10 +304,10 @@ def simulate_cell(cell: Cell, policy: str, args: argparse.Namespace) -> list[Req
 
 def run_policies(
     workload: Workload, config: SimConfig, policies: Sequence[str], seed: int
-) -> dict[str, Any]:
+) -> dict[str, dict[str, Any]]:
     """Each policy's summary over the same requests, each on a fresh pool."""
     addresses = [pod_address(i) for i in range(config.pods)]
-    out: dict[str, Any] = {}
+    out: dict[str, dict[str, Any]] = {}
     for name in policies:
         started = time.perf_counter()
         results = simulate_policy(name, workload, config, seed)
@@ -320,14 +326,14 @@ def run_cell(
     slowdowns: tuple[float, ...] = (),
     kv_tokens: int | None = None,
     profile: str = BASE_PROFILE,
-) -> dict[str, Any]:
+) -> dict[str, dict[str, Any]]:
     workload, config = cell_setup(cell, n, pods, seed, slowdowns, kv_tokens, profile)
     return run_policies(workload, config, policies, seed)
 
 
 def run_cell_with_options(
     cell: Cell, policies: Sequence[str], args: argparse.Namespace
-) -> dict[str, Any]:
+) -> dict[str, dict[str, Any]]:
     """`run_cell` with the pool and workload options of a parsed grid command line."""
     workload, config = cell_setup_with_options(cell, args)
     return run_policies(workload, config, policies, args.seed)
@@ -481,7 +487,7 @@ def grid_cells(args: argparse.Namespace) -> list[Cell]:
 def update_grid(path: Path, policies: Sequence[str], jobs: int, command: str) -> dict[str, Any]:
     """Re-runs `policies` on the cells of the grid file at `path` and writes their figures
     over the file's, recomputing what derives from them; returns the updated document."""
-    doc = json.loads(path.read_text())
+    doc: dict[str, Any] = json.loads(path.read_text())
     args = grid_args(doc)
     cells = [c for c in grid_cells(args) if c.key in doc["cells"]]
     with ProcessPoolExecutor(max_workers=jobs) as pool:

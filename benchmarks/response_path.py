@@ -31,13 +31,15 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 import aiohttp
 import yaml
 
-from smart_epp.benchmarks.extproc_overhead import pinning, port_open, process, wait_for
-from smart_epp.epp.ports import free_port
+from smart_epp.benchmarks.extproc_overhead import pinning, process, wait_for
+from smart_epp.epp.ports import free_port, port_open
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "response_path.json"
@@ -66,6 +68,15 @@ def cpu_seconds(pid: int) -> float:
 # ------------------------------------------------------------------ the processor
 
 
+class _Duration(Protocol):
+    """What is read of a google.protobuf.Duration."""
+
+    seconds: int
+    nanos: int
+
+    def ByteSize(self) -> int: ...
+
+
 def serve_processor(port: int, backend: str) -> None:
     """epp's ext_proc server with the round-robin scheduler, plus a receiver for Envoy's
     gRPC access-log service (only the `grpc-access-log` mechanism sends to it)."""
@@ -81,10 +92,10 @@ def serve_processor(port: int, backend: str) -> None:
     from smart_epp.proto import extproc as px
     from smart_epp.proto.access_log import ResponseRecord
 
-    def seconds(duration: object) -> float | None:
-        if not duration.ByteSize():  # type: ignore[attr-defined]
+    def seconds(duration: _Duration) -> float | None:
+        if not duration.ByteSize():
             return None
-        return duration.seconds + duration.nanos / 1e9  # type: ignore[attr-defined]
+        return duration.seconds + duration.nanos / 1e9
 
     async def main() -> None:
         datastore = Datastore()
@@ -128,9 +139,11 @@ def serve_processor(port: int, backend: str) -> None:
         )
         register = px.add_ext_proc_service
 
-        def add_both(grpc_server: grpc.aio.Server, process: object) -> None:
-            register(grpc_server, process)  # type: ignore[arg-type]
-            grpc_server.add_generic_rpc_handlers((generic,))
+        def add_both(
+            server: grpc.aio.Server, process: Callable[[Any, grpc.aio.ServicerContext], Any]
+        ) -> None:
+            register(server, process)
+            server.add_generic_rpc_handlers((generic,))
 
         # The server registers its services when it starts; add the receiver beside them.
         px.add_ext_proc_service = add_both

@@ -52,7 +52,7 @@ from smart_epp.epp.shared_state.private_store import server_command
 from smart_epp.epp.shared_state.redis_store import RedisPoolStore
 from smart_epp.epp.shared_state.sync import DEFAULT_INTERVAL_S, PublishingIndex, SharedPoolState
 from smart_epp.framework.types import Endpoint
-from smart_epp.kv_index.memory import MemoryBlockIndex
+from smart_epp.kv_index.memory import DEFAULT_SPECULATIVE_TTL_S, MemoryBlockIndex
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "shared_state_freshness.json"
@@ -96,7 +96,9 @@ class RecordingIndex(MemoryBlockIndex):
         super().__init__(1_000_000)
         self.arrived: dict[int, float] = {}
 
-    def add_speculative_sync(self, pod: str, keys: Sequence[int], ttl_s: float) -> None:
+    def add_speculative_sync(
+        self, pod: str, keys: Sequence[int], ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
+    ) -> None:
         self.arrived.setdefault(keys[0], time.monotonic())
         super().add_speculative_sync(pod, keys, ttl_s)
 
@@ -132,7 +134,10 @@ def _receiver_main(url: str, pool: str, options: dict[str, Any], conn: Connectio
 
 def _percentiles(values_ms: list[float]) -> dict[str, float]:
     ordered = sorted(values_ms)
-    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
     return {"p50_ms": statistics.median(ordered), "p90_ms": at(0.9), "p99_ms": at(0.99)}
 
 
@@ -195,7 +200,8 @@ async def _round(url: str, name: str, rate: float, seconds: float, seed: int) ->
 
 
 def _median_of(rounds: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(r[key] for r in rounds)
+    values: list[float] = [r[key] for r in rounds]
+    return statistics.median(values)
 
 
 async def _run(url: str, rate: float, seconds: float, rounds: int) -> dict[str, Any]:

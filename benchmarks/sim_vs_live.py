@@ -137,7 +137,7 @@ class PodSpec:
         parts = text.split(",")
         if not 1 <= len(parts) <= 3:
             raise argparse.ArgumentTypeError(f"{text!r}: ADDRESS[,KV_EVENTS[,KV_REPLAY]]")
-        return cls(*parts)  # type: ignore[arg-type]
+        return cls(*parts)
 
     @property
     def url(self) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -43,7 +44,8 @@ SIDES = ("plaintext", "tls")
 def envoy_ready(admin_port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/ready", timeout=1) as r:
-            return r.status == 200
+            status: int = r.status
+            return status == 200
     except OSError:
         return False
 
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                      "--metrics-port", str(free_port()), "--kv-events-mode", "off",
                      "--log-level", "warning", f"--secure-serving={side == 'tls'}"]  # fmt: skip
             epp = stack.enter_context(process(serve, workdir / f"epp-{side}.log"))
-            wait_for(lambda p=grpc_port: port_open(p), 60, f"epp ({side})")
+            wait_for(functools.partial(port_open, grpc_port), 60, f"epp ({side})")
             options = EnvoyOptions(
                 listen_port=listen_port,
                 admin_port=admin_port,
@@ -142,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             envoy = stack.enter_context(
                 process(envoy_command(config, concurrency=1), workdir / f"envoy-{side}.log")
             )
-            wait_for(lambda a=admin_port: envoy_ready(a), 30, f"Envoy ({side})")
+            wait_for(functools.partial(envoy_ready, admin_port), 30, f"Envoy ({side})")
             epp_pids[side], envoy_pids[side], listen_ports[side] = epp.pid, envoy.pid, listen_port
 
         async def run() -> dict[str, object]:
@@ -178,8 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             plain, tls = sides["plaintext"], sides["tls"]
 
             def ratio(key: str, inner: str | None = None) -> float:
-                a = plain[key] if inner is None else plain[key][inner]  # type: ignore[index]
-                b = tls[key] if inner is None else tls[key][inner]  # type: ignore[index]
+                a = plain[key] if inner is None else plain[key][inner]
+                b = tls[key] if inner is None else tls[key][inner]
                 return round(float(b) / float(a), 3)
 
             return {

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import aiohttp
 
-from smart_epp.benchmarks.extproc_overhead import port_open, process, wait_for
-from smart_epp.epp.ports import free_port
+from smart_epp.benchmarks.extproc_overhead import process, wait_for
+from smart_epp.epp.ports import free_port, port_open
 from smart_epp.epp.tokenization import LocalTokenizer, PodTokenizer, decode_tokenize_answer
 from smart_epp.framework.types import Api, Endpoint, LLMRequest, PodState
 

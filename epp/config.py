@@ -251,13 +251,13 @@ def validate_config(
             for err in exc.errors():
                 issues.append((("plugins", i, "parameters", *err["loc"]), err["msg"]))
             continue
-        for loc, message in check_parameters(spec, params):
+        for path, message in check_parameters(spec, params):
             if message.startswith(NOTE_PREFIX):
                 loaded.notes.append(
-                    f"plugins[{i}] ({spec.ref}).{loc}: {message[len(NOTE_PREFIX) :]}"
+                    f"plugins[{i}] ({spec.ref}).{path}: {message[len(NOTE_PREFIX) :]}"
                 )
             else:
-                issues.append((("plugins", i, "parameters", *loc.split(".")), message))
+                issues.append((("plugins", i, "parameters", *path.split(".")), message))
         loaded.plugin_params[spec.ref] = params
 
     for p, profile in enumerate(config.schedulingProfiles):
@@ -299,7 +299,10 @@ def _check_flow_control(
 ) -> None:
     spec = config.flowControl
     for loc, ref in (
-        (("flowControl", "saturationDetector", "pluginRef"), spec and spec.saturationDetector),
+        (
+            ("flowControl", "saturationDetector", "pluginRef"),
+            spec.saturationDetector if spec is not None else None,
+        ),
         (("saturationDetector", "pluginRef"), config.saturationDetector),
     ):
         if ref is None or ref.pluginRef is None:
@@ -628,11 +631,11 @@ def instantiate(loaded: LoadedConfig) -> PluginSet:
         )
     ]
     profiles: list[Profile] = []
-    for spec in profile_specs:
+    for profile in profile_specs:
         filters: list[Filter] = []
         scorers: list[tuple[Scorer, float]] = []
         picker: Picker | None = None
-        for ref in spec.plugins:
+        for ref in profile.plugins:
             plugin = instances[ref.pluginRef]
             if isinstance(plugin, Filter):
                 filters.append(plugin)
@@ -643,5 +646,5 @@ def instantiate(loaded: LoadedConfig) -> PluginSet:
         if picker is None:
             cls = registry[DEFAULT_PICKER]
             picker = cls(DEFAULT_PICKER, cls.Params())  # type: ignore[assignment]
-        profiles.append(Profile(spec.name, filters, scorers, picker))  # type: ignore[arg-type]
+        profiles.append(Profile(profile.name, filters, scorers, picker))  # type: ignore[arg-type]
     return PluginSet(instances, profiles, handler)

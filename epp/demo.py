@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -41,7 +42,7 @@ MOONCAKE_TRACE = (
 SIM_POLICIES = ("default", "round-robin", "gie-default")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "demo",
         help="start sim pods + epp + Envoy, replay traffic live, then compare policies",
@@ -150,7 +151,8 @@ def wait_for(
 def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=1) as resp:
-            return resp.status == 200
+            status: int = resp.status  # urlopen's result is untyped
+            return status == 200
     except (urllib.error.URLError, OSError):
         return False
 
@@ -162,7 +164,8 @@ def post_ok(url: str, body: bytes) -> bool:
     try:
         with urllib.request.urlopen(req, timeout=5) as resp:
             resp.read()
-            return resp.status == 200
+            status: int = resp.status  # urlopen's result is untyped
+            return status == 200
     except (urllib.error.URLError, OSError):
         return False
 
@@ -206,7 +209,7 @@ def running_stack(pods: int, console: Console) -> Iterator[Stack]:
         )
         addresses = [f"127.0.0.1:{http_base + i}" for i in range(pods)]
         for address in addresses:
-            wait_for(f"pod {address}", lambda a=address: http_ok(f"http://{a}/health"), sim)
+            wait_for(f"pod {address}", functools.partial(http_ok, f"http://{address}/health"), sim)
         grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
         console.print("[bold]starting[/bold] epp (ext_proc gRPC) ...")
         serve_args = [

@@ -227,7 +227,7 @@ def envoy_command(
     return command
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "envoy",
         help="run Envoy in front of the pool, with epp as its endpoint picker",

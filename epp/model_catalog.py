@@ -217,7 +217,7 @@ class ModelCatalogPoller:
         self._session: aiohttp.ClientSession | None = None
         self._endpoints: dict[str, Endpoint] = {}
         self._task: asyncio.Task[None] | None = None
-        self._pending: set[asyncio.Task[None]] = set()
+        self._pending: set[asyncio.Task[bool]] = set()
 
     # ---- datastore listeners -------------------------------------------------------------
 

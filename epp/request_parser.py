@@ -174,7 +174,7 @@ def _check_content(content: Any, where: str) -> None:
     )
 
 
-def _chat_messages(document: dict[str, Any]) -> list[dict]:
+def _chat_messages(document: dict[str, Any]) -> list[dict[str, Any]]:
     messages = document.get("messages")
     if messages is None:
         raise RequestError.bad_request("you must provide a 'messages' parameter", "messages")
@@ -238,7 +238,7 @@ def _read_responses_input(request: LLMRequest, document: dict[str, Any]) -> None
         return
     if not isinstance(value, list):
         raise RequestError.bad_request("'input' must be a string or a list of items", "input")
-    messages: list[dict] = []
+    messages: list[dict[str, Any]] = []
     if instructions:
         messages.append({"role": "system", "content": instructions})
     for i, item in enumerate(value):

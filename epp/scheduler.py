@@ -39,6 +39,11 @@ from ..framework.types import Decision, LLMRequest, Outcome, PodState, PrefixHit
 from ..kv_index.api import BlockIndex
 from ..kv_index.lookup import IndexPrefixMatcher, ModelOf
 from ..kv_index.memory import DEFAULT_SPECULATIVE_TTL_S
+from ..scorers.local_tokenizer import (
+    LocalTokenizerParams,
+    PodTokenizerParams,
+    TokenProducerParams,
+)
 from .config import LoadedConfig, PluginSet, Profile, instantiate, load_config
 from .context_limit import ContextLimitOf, pods_that_hold
 from .tokenization import LocalTokenizer, PodTokenizer, TokenizerRouter
@@ -485,12 +490,19 @@ def tokenizer_from_config(
     """Local tokenizers from `local-tokenizer` plugins; for the rest, one found on disk
     (`discovery`, once it agrees with the pods) or /tokenize via a pod."""
     local: dict[str, LocalTokenizer] = {}
+    # Each type name is registered once, so its plugins were built with its Params.
     for plugin in plugins.of_type("local-tokenizer"):
         p = plugin.params
-        if p.path is None and p.tokenizerFile is None:
+        assert isinstance(p, LocalTokenizerParams)
+        # An empty `path` counts as unset, as it always has when choosing the folder.
+        if p.path:
+            model_dir = Path(p.path)
+        elif p.tokenizerFile is not None:
+            model_dir = Path(p.tokenizerFile).parent
+        else:
             raise ValueError(f"{plugin.name}: set `path` or `tokenizerFile`")
         local[p.modelName] = LocalTokenizer.from_model_dir(
-            Path(p.path or Path(p.tokenizerFile).parent),
+            model_dir,
             tokenizer_file=p.tokenizerFile,
             chat_template_file=p.chatTemplateFile,
             cache_bytes=p.cacheBytes,
@@ -499,6 +511,7 @@ def tokenizer_from_config(
     producers = plugins.of_type("token-producer")
     if producers:
         t = producers[0].params
+        assert isinstance(t, TokenProducerParams)
         fallback = PodTokenizer(
             cache_bytes=t.cacheBytes,
             timeout_s=t.timeout_seconds(),
@@ -507,6 +520,7 @@ def tokenizer_from_config(
         )
     elif pod_settings:
         p = pod_settings[0].params
+        assert isinstance(p, PodTokenizerParams)
         fallback = PodTokenizer(cache_bytes=p.cacheBytes, timeout_s=p.timeoutSeconds)
     else:
         fallback = PodTokenizer()

@@ -27,7 +27,7 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from prometheus_client import Counter, Histogram
@@ -181,10 +181,10 @@ PodLister = Callable[[], Iterable[PodState]]
 def pod_lister(datastore: Any) -> PodLister:
     """Adapts a datastore (with `pods()`, or `pods` as a mapping/sequence) or a callable."""
     if callable(datastore):
-        return datastore
+        return cast(PodLister, datastore)
     pods = getattr(datastore, "pods", None)
     if callable(pods):
-        return pods
+        return cast(PodLister, pods)
     if isinstance(pods, dict):
         return lambda: list(pods.values())
     if pods is not None:

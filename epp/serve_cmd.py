@@ -463,11 +463,11 @@ async def serve(
         )
         serving = True
         if events is not None:
-            shared = index if isinstance(index, RedisBlockIndex) else None
+            redis_index = index if isinstance(index, RedisBlockIndex) else None
             catch_up = CatchUp(
                 events,
                 lambda: [pod.address for pod in datastore.pods()],
-                (lambda: shared.store_synced) if shared is not None else None,
+                (lambda: redis_index.store_synced) if redis_index is not None else None,
             )
             background.spawn(
                 ready_when_caught_up(server, catch_up, options.catch_up_timeout_s, stop)
@@ -586,7 +586,7 @@ def _tls_from_args(args: argparse.Namespace) -> TlsOptions | None:
     return tls
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="run the endpoint picker (Envoy ext_proc gRPC server)",

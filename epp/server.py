@@ -341,7 +341,12 @@ class Exchange:
         reader = self._reader
         if chunk:
             if eos:
-                self._after = lambda: (reader.feed(chunk), self._finish_ok())
+
+                def feed_and_finish() -> None:
+                    reader.feed(chunk)
+                    self._finish_ok()
+
+                self._after = feed_and_finish
             else:
                 self._after = lambda: reader.feed(chunk)
         elif eos:
@@ -424,9 +429,9 @@ class EppServer:
         try:
             while (message := await read()) is not end:
                 if exchange.request_mode is None:
-                    exchange.set_modes(body_modes(message))  # type: ignore[arg-type]
+                    exchange.set_modes(body_modes(message))
                 event = read_event(
-                    message,  # type: ignore[arg-type]
+                    message,
                     response_started=exchange.phase is not Phase.ROUTED,
                 )
                 replies = await exchange.handle(event)

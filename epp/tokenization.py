@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeAlias, TypeVar
 
 import aiohttp
 import msgspec
@@ -105,7 +105,11 @@ class LRUCache(Generic[K, V]):
 
 # Token ids are kept as 4-byte unsigned ints (every vocabulary vLLM serves fits), a tenth
 # of a list of Python ints; a long prompt cached a thousand times stays in megabytes.
-TokenArray = array
+# (array is not subscriptable at runtime before Python 3.12.)
+if TYPE_CHECKING:
+    TokenArray: TypeAlias = array[int]
+else:
+    TokenArray = array
 DEFAULT_CACHE_BYTES = DEFAULT_TOKENIZER_CACHE_BYTES
 
 

@@ -50,11 +50,13 @@ class WatchedFile:
         if signature == self._signature:
             return False
         self._signature = signature
+        # Named up front: type checkers do not follow a starred tuple in an `except` clause.
+        errors: tuple[type[Exception], ...] = (OSError, *self.load_errors)
         try:
             if signature is None:
                 raise self.missing()
             self.load(self.path.read_text())
-        except (OSError, *self.load_errors) as exc:
+        except errors as exc:
             self.errors += 1
             log.warning("%s not applied: %s", self.what, exc)
             if self.on_error is not None:

@@ -166,7 +166,9 @@ class Supervisor:
                 )
         except grpc.aio.AioRpcError:
             return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        # The generated health messages are untyped: the comparison is a plain bool.
+        serving: bool = reply.status == health_pb2.HealthCheckResponse.SERVING
+        return serving
 
     async def _watch(self) -> None:
         while not self.stopping:

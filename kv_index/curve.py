@@ -15,6 +15,7 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
+import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 

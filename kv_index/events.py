@@ -52,15 +52,17 @@ class EventBatch(msgspec.Struct, array_like=True, frozen=True):
 
 # The positional encoding of older vLLM: same fields, same order, tag first. Decoded
 # events are turned back into the plain classes, which is what everything else matches.
-class _ArrayBlockStored(BlockStored, tag="BlockStored", array_like=True):
+class _ArrayBlockStored(BlockStored, tag="BlockStored", array_like=True, frozen=True):
     pass
 
 
-class _ArrayBlockRemoved(BlockRemoved, tag="BlockRemoved", array_like=True):
+class _ArrayBlockRemoved(BlockRemoved, tag="BlockRemoved", array_like=True, frozen=True):
     pass
 
 
-class _ArrayAllBlocksCleared(AllBlocksCleared, tag="AllBlocksCleared", array_like=True):
+class _ArrayAllBlocksCleared(
+    AllBlocksCleared, tag="AllBlocksCleared", array_like=True, frozen=True
+):
     pass
 
 

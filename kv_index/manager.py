@@ -155,7 +155,9 @@ class KVEventManager:
         """Where pods should publish in central mode (the bound address, port resolved)."""
         if self._central_sock is None:
             return None
-        return self._central_sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        endpoint = self._central_sock.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(endpoint, bytes)  # a string option
+        return endpoint.decode()
 
     # ---- datastore listeners -------------------------------------------------------------
 

@@ -36,6 +36,8 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.typing import EncodableT
 
 from ..framework.types import Medium, PrefixHit
 from . import metrics
@@ -268,7 +270,8 @@ class RedisBlockIndex:
         self.up = True
         self._down_since = 0.0
         # The store generation this replica's state was last written under; None = never.
-        self._epoch: bytes | None = None
+        # (str where the client decodes responses.)
+        self._epoch: bytes | str | None = None
         self._reconcile = False  # writes were lost while the store was unreachable
         self.reseeds = 0
         metrics.REDIS_UP.set(1)
@@ -323,11 +326,11 @@ class RedisBlockIndex:
         self.up = True
         metrics.REDIS_UP.set(1)
 
-    async def _call(self, op: str, script: object, args: list[object]) -> object | None:
+    async def _call(self, op: str, script: AsyncScript, args: list[EncodableT]) -> object | None:
         if not self._should_try():
             return None
         try:
-            result = await script(args=args)  # type: ignore[operator]
+            result: object = await script(args=args)
         except _CONNECTION_ERRORS as exc:
             await self._failed(op, exc)
             return None
@@ -369,7 +372,7 @@ class RedisBlockIndex:
         if not keys or (pods is not None and not pods):
             return {}
         pod_list = [] if pods is None else list(pods)
-        args: list[object] = [self.namespace, repr(self._clock() * 1000), len(pod_list)]
+        args: list[EncodableT] = [self.namespace, repr(self._clock() * 1000), len(pod_list)]
         args += pod_list
         args += keys
         flat = await self._call("lookup", self._lookup, args)
@@ -429,7 +432,13 @@ class RedisBlockIndex:
             for (pod, medium), keys in chunk.items():
                 for start in range(0, len(keys), batch):
                     part = keys[start : start + batch]
-                    args = [self.namespace, pod, _bit(medium), self.capacity, *part]
+                    args: list[EncodableT] = [
+                        self.namespace,
+                        pod,
+                        _bit(medium),
+                        self.capacity,
+                        *part,
+                    ]
                     await self._add(args=args)
                     written += len(part)
             await asyncio.sleep(0)  # a large mirror must not hold up routing

@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing, suppress
 from typing import Any
 
@@ -56,7 +56,7 @@ class ReplayClient:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
 
-    async def fetch(self, start: int) -> AsyncIterator[tuple[bytes, int, bytes]]:
+    async def fetch(self, start: int) -> AsyncGenerator[tuple[bytes, int, bytes], None]:
         """Yields (topic, seq, payload) in order; raises TimeoutError if the pod goes quiet.
 
         A fresh DEALER per request, so a late answer to an abandoned request can never
@@ -68,7 +68,7 @@ class ReplayClient:
             sock.connect(self.endpoint)
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
-                if not await sock.poll(self.timeout_s * 1000, zmq.POLLIN):
+                if not await sock.poll(self.timeout_s * 1000):  # POLLIN, the default
                     raise TimeoutError(f"replay from {self.endpoint} went quiet")
                 frames = await sock.recv_multipart()
                 if len(frames) < 3:

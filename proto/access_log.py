@@ -67,7 +67,7 @@ def _build_messages() -> dict[str, Any]:
 _MESSAGES = _build_messages()
 ExportLogsServiceRequest = _MESSAGES["ExportLogsServiceRequest"]
 ExportLogsServiceResponse = _MESSAGES["ExportLogsServiceResponse"]
-_EMPTY_RESPONSE = ExportLogsServiceResponse().SerializeToString()
+_EMPTY_RESPONSE: bytes = ExportLogsServiceResponse().SerializeToString()
 
 
 @dataclass(frozen=True, slots=True)

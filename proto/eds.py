@@ -13,7 +13,7 @@ import asyncio
 import ipaddress
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from envoy.config.core.v3 import address_pb2
@@ -64,7 +64,14 @@ def load_assignment(cluster: str, addresses: Iterable[str]) -> endpoint_pb2.Clus
     )
 
 
-class PoolEndpointDiscovery(eds_pb2_grpc.EndpointDiscoveryServiceServicer):
+if TYPE_CHECKING:
+    # The generated servicer is untyped; to mypy the service stands on its own methods.
+    _EndpointDiscoveryServicer = object
+else:
+    _EndpointDiscoveryServicer = eds_pb2_grpc.EndpointDiscoveryServiceServicer
+
+
+class PoolEndpointDiscovery(_EndpointDiscoveryServicer):
     """Serves `addresses()` as the endpoints of every cluster Envoy asks about."""
 
     def __init__(self, addresses: Callable[[], Iterable[str]]) -> None:

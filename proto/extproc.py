@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 from envoy.config.core.v3 import base_pb2 as core
@@ -39,10 +39,11 @@ EXT_PROC_FILTER_NAME = "envoy.filters.http.ext_proc"
 # chunks below 64 KiB so each stays inside one HTTP/2 default window update.
 STREAMED_CHUNK_BYTES = 62_000
 
-ProcessingRequest = ep.ProcessingRequest
-ProcessingResponse = ep.ProcessingResponse
+# The generated messages are untyped: to mypy these aliases stand for `Any`.
+ProcessingRequest: TypeAlias = ep.ProcessingRequest
+ProcessingResponse: TypeAlias = ep.ProcessingResponse
 # What the server writes: a response message, or one already serialized.
-Reply = ProcessingResponse | bytes
+Reply: TypeAlias = ProcessingResponse | bytes
 
 
 class BodyMode(IntEnum):
@@ -59,7 +60,9 @@ class BodyMode(IntEnum):
 def _serialize(message: Reply) -> bytes:
     if type(message) is bytes:
         return message
-    return message.SerializeToString()  # type: ignore[union-attr]
+    # An exact-type test does not narrow the union; what reaches here is a response message.
+    serialized: bytes = message.SerializeToString()  # type: ignore[union-attr]
+    return serialized
 
 
 def add_ext_proc_service(
@@ -282,7 +285,7 @@ def immediate_response(
         headers.append(_header_option("x-request-id", request_id))
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+            status=http_status_pb2.HttpStatus(code=status),
             headers=ep.HeaderMutation(set_headers=headers),
             body=body,
             details=details,
@@ -358,8 +361,10 @@ def served_endpoint(message: ProcessingRequest) -> str | None:
     attributes = message.attributes.get(EXT_PROC_FILTER_NAME)
     if attributes is not None and UPSTREAM_ADDRESS_ATTRIBUTE in attributes.fields:
         value = attributes.fields[UPSTREAM_ADDRESS_ATTRIBUTE]
-        if value.WhichOneof("kind") == "string_value" and value.string_value:
-            return value.string_value
+        if value.WhichOneof("kind") == "string_value":
+            address: str = value.string_value
+            if address:
+                return address
     return None
 
 

@@ -476,6 +476,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             found = by_list.get(list_id)
             if found is None:
                 if indexed:
+                    assert block_keys is not None  # indexed: it has block keys
                     stride = max(1, chunk // size)
                     keys: Sequence[int] = block_keys[stride - 1 :: stride]
                     tokens_per_key = stride * size
@@ -746,8 +747,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                 # Candidates holding the same share (most often none of it) repeat the
                 # same price: computed once per distinct share.
                 price_of: dict[float, float] = {}
-                for i, held in enumerate(hit_list):
-                    extra = best_hit - held
+                for i, held_tokens in enumerate(hit_list):
+                    extra = best_hit - held_tokens
                     if extra > 0:
                         price = price_of.get(extra)
                         if price is None:
@@ -790,8 +791,8 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
             # Pods priced alike go to the one holding most of the prompt: the fit can find
             # prefill too cheap to tell them apart (answers dominated by fixed cost), and the
             # pod that computes least is the one such a price would have missed.
-            for i, held in enumerate(hit_list):
-                costs[i] += TIE_BREAK_S_PER_TOKEN * (best_hit - held)
+            for i, held_tokens in enumerate(hit_list):
+                costs[i] += TIE_BREAK_S_PER_TOKEN * (best_hit - held_tokens)
             self._break_ties_by_load(costs, pods, now)
         prediction = Prediction(
             ttfts, costs, hit_list, own_list, ahead_list, learnable_list, chunk_keys, chunk_tokens

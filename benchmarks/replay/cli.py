@@ -70,7 +70,7 @@ from .traces import (
 )
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "replay",
         help="replay a trace and compare routing policies (sim) or measure an endpoint (live)",

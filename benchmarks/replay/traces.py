@@ -69,7 +69,7 @@ class TraceRequest:
 # Deterministic token material
 
 
-def _seeded_tokens(key: str, n: int) -> array:
+def _seeded_tokens(key: str, n: int) -> array[int]:
     """`n` token ids determined only by `key`: equal keys give equal tokens."""
     rng = np.random.default_rng(xxhash.xxh64_intdigest(key.encode()))
     out = array("i")
@@ -119,9 +119,9 @@ class MooncakeBlocks:
 
     def __init__(self, salt: str = "mooncake") -> None:
         self._salt = salt
-        self._cache: dict[int, array] = {}
+        self._cache: dict[int, array[int]] = {}
 
-    def block(self, block_id: int) -> array:
+    def block(self, block_id: int) -> array[int]:
         run = self._cache.get(block_id)
         if run is None:
             run = _seeded_tokens(f"{self._salt}:{block_id}", MOONCAKE_BLOCK_TOKENS)

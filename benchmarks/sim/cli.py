@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from .profiles import DEFAULT_PROFILE, builtin_names, get_profile
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"epp sim: {exc}", file=sys.stderr)
         return 2
+    runner: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop
 

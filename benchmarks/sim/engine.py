@@ -28,7 +28,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
-from .events import AllBlocksCleared, BlockStored, KVEvent
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from .histogram import (
     ITL_BUCKETS,
     REQUEST_LATENCY_BUCKETS,
@@ -435,7 +435,7 @@ class SimEngine:
         """Slots for ``n`` more tokens of ``r``; stores the blocks they complete."""
         need = self._blocks_needed(r, r.num_computed + n)
         if need:
-            removed: list = []
+            removed: list[BlockRemoved] = []
             blocks = self.pool.allocate(need, removed)
             if blocks is None:
                 return False

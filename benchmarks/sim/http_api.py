@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from .engine import RequestProgress, RequestRejected, SimRequest
 from .pod import SimPod
@@ -46,7 +47,7 @@ def error_response(err: ApiError) -> web.Response:
 
 
 @web.middleware
-async def _errors(request: web.Request, handler: Callable) -> web.StreamResponse:
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as err:
@@ -382,7 +383,7 @@ class SimApi:
 
     # ------------------------------------------------------------ other routes
     async def models(self, request: web.Request) -> web.Response:
-        def card(name: str, root: str, parent: str | None, max_len: int | None) -> dict:
+        def card(name: str, root: str, parent: str | None, max_len: int | None) -> dict[str, Any]:
             return {
                 "id": name,
                 "object": "model",

@@ -122,7 +122,7 @@ class KVEventPublisher:
         else:
             pub.connect(self.endpoint)
         if self._bind:  # a ":*" port binds any free port: report the one taken
-            self.endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pub = pub
         if self.replay_endpoint:
             router = self._ctx.socket(zmq.ROUTER)
@@ -130,7 +130,7 @@ class KVEventPublisher:
             # A ROUTER silently drops above its high-water mark: room for a full replay.
             router.setsockopt(zmq.SNDHWM, (self._buffer.maxlen or DEFAULT_BUFFER_STEPS) + 16)
             _bind_retrying(router, self.replay_endpoint)
-            self.replay_endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._router = router
             self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
 
@@ -181,7 +181,7 @@ class KVEventPublisher:
 REBIND_TIMEOUT_S = 2.0
 
 
-def _bind_retrying(sock: zmq.Socket, endpoint: str) -> None:
+def _bind_retrying(sock: zmq.Socket[Any], endpoint: str) -> None:
     """Binds, retrying briefly while the port is still held.
 
     A restarted pod binds the ports its previous process used; ZeroMQ releases a closed

@@ -12,7 +12,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from .engine import (
@@ -128,7 +128,7 @@ class SimPod:
     def next_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids):016x}"
 
-    async def generate(self, req: SimRequest) -> AsyncIterator[RequestProgress]:
+    async def generate(self, req: SimRequest) -> AsyncGenerator[RequestProgress, None]:
         """Runs ``req`` (validate it first) and yields its progress step by step."""
         queue: asyncio.Queue[RequestProgress] = asyncio.Queue()
         self._streams[req.request_id] = queue

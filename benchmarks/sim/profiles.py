@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -198,6 +198,10 @@ def __getattr__(name: str) -> Any:
     if name == "PROFILES":  # the built-ins by name, loaded when first asked for
         return builtin_profiles()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if TYPE_CHECKING:
+    PROFILES: dict[str, LatencyProfile]  # served by __getattr__ above
 
 
 def get_profile(spec: str) -> LatencyProfile:

@@ -264,8 +264,8 @@ class AdmissionController(CandidateFilter):
         if not queue.requests:
             return 0
         now = self.clock()
-        for item in queue.expire(now):
-            self._expired(item, now)
+        for expired in queue.expire(now):
+            self._expired(expired, now)
         dispatched = 0
         detector = self.detector
         while queue.requests:

@@ -325,11 +325,13 @@ class SharedPoolState:
         self._plugins = plugins
 
     def _learners(self) -> dict[str, SharedLearning]:
-        return {
-            plugin.name: plugin
-            for plugin in self._plugins()
-            if isinstance(plugin, SharedLearning) and isinstance(getattr(plugin, "name", None), str)
-        }
+        learners: dict[str, SharedLearning] = {}
+        for plugin in self._plugins():
+            if isinstance(plugin, SharedLearning):
+                name = getattr(plugin, "name", None)
+                if isinstance(name, str):
+                    learners[name] = plugin
+        return learners
 
     # ------------------------------------------------------------------ decision path
 

@@ -260,6 +260,25 @@ async def test_local_tokenizer_config_tokenizes_chat_exactly_like_vllm():
     await scheduler.aclose()
 
 
+@pytest.mark.parametrize("path_line", ["", 'path: ""'])
+def test_local_tokenizer_without_a_folder_is_refused_by_name(path_line: str):
+    # An empty `path` is no folder either: it must get the same error as a missing one,
+    # not reach the tokenizer loader with no path at all.
+    config = parse_config(textwrap.dedent(f"""\
+        apiVersion: inference.networking.x-k8s.io/v1alpha1
+        kind: EndpointPickerConfig
+        plugins:
+        - name: tiny-tokenizer
+          type: local-tokenizer
+          parameters:
+            modelName: tiny
+            {path_line}
+        - type: precise-prefix-cache-scorer
+        """))  # fmt: skip
+    with pytest.raises(ValueError, match="tiny-tokenizer: set `path` or `tokenizerFile`"):
+        build_scheduler(config, index=MemoryBlockIndex(), seed=0)
+
+
 async def test_metrics_can_go_to_the_gateways_own_registry():
     from prometheus_client import CollectorRegistry
 

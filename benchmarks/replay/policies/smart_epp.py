@@ -10,7 +10,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from ....epp.scheduler import build_scheduler
+from ....epp.scheduler import PipelineScheduler, build_scheduler
 from ....epp.shared_state.store import LocalPoolStore
 from ....epp.shared_state.wiring import connect_shared_state
 from ....kv_index.ingest import IngestState
@@ -53,8 +53,8 @@ def build_config_pickers(name: str, ctx: PolicyContext, count: int) -> list[Rout
         # Each replica draws its own coin tosses (ties), as separate processes do.
         own = ctx if i == 0 else dataclasses.replace(ctx, seed=ctx.seed + PICKER_SEED_STRIDE * i)
         policy = _build(name, own, scheduler_index, index)
-        plugins = policy.scheduler.plugins.plugins  # type: ignore[attr-defined]
-        shared.share_learning(lambda plugins=plugins: plugins.values())
+        assert isinstance(policy.scheduler, PipelineScheduler)  # _build's is one
+        shared.share_learning(policy.scheduler.plugins.plugins.values)
         policy.datastore = datastore
         policy.sync = shared.sync_once
         pickers.append(policy)
