@@ -15,10 +15,10 @@ of them, each its own process:
   (`--shared-state redis`), each subscribed to every pod, behind one `epp envoy` that
   balances the ext_proc streams over them (the active-active deployment);
 - `smart-epp 3 replicas shared queue`: the same with `sharedQueue` on (not run by default;
-  README, "Several pickers, one queue");
+  benchmarks/RESULTS.md, "Several pickers, one queue");
 - `smart-epp whole duplication price`: one `epp serve` whose default charges a copy of a
   held prefix its whole duplicated-work price (`shareDuplicationPrice: false`; not run by
-  default; README, "A copy of a prefix serves its later followers too");
+  default; benchmarks/RESULTS.md, "A copy of a prefix serves its later followers too");
 - `smart-epp 2 workers`: one `epp serve --workers 2` (two picker processes on one port,
   sharing pool state through a private Valkey), Envoy opening a new connection to it every
   2 streams so that both workers decide (`--epp-streams-per-connection 2`);

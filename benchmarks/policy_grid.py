@@ -61,8 +61,8 @@ BASE_PROFILE = "h100-llama3-8b"
 ATTENTION_FACTORS = (0.0, 1.0, 2.0)
 LOADS = (0.3, 0.75, 1.1)
 TRACES = ("mooncake", "shared-prefix", "multi-turn")
-# The goals set for the default policy (README, "Routing policies"), as its figure over the
-# best policy's in a cell: TTFT p90 and p50 at most, output tokens/s at least.
+# The goals set for the default policy (benchmarks/RESULTS.md, "Routing policies"), as its
+# figure over the best policy's in a cell: TTFT p90 and p50 at most, output tokens/s at least.
 P90_GOAL = 1.03
 P50_GOAL = 1.10
 TOKENS_GOAL = 0.98
@@ -375,14 +375,14 @@ def plot(rel: dict[str, dict[str, float]], policies: Sequence[str], path: Path) 
 
 
 def goals(cells: dict[str, dict[str, Any]], policy: str) -> dict[str, Any]:
-    """How `policy` fares against the goals set for the default policy (README, "Routing
-    policies"), per cell."""
+    """How `policy` fares against the goals set for the default policy
+    (benchmarks/RESULTS.md, "Routing policies"), per cell."""
     rel = relative_p90(cells)
     ranks: dict[str, list[int]] = {}
     misses: list[str] = []
     # The same 2% rule on output tokens/s while the requests arrive: a cell whose
     # arrivals end long before its longest answers has its makespan rate set by a few
-    # decodes at the end (README, "Routing policies").
+    # decodes at the end (benchmarks/RESULTS.md, "Routing policies").
     arriving_misses: list[str] = []
     for key, per_policy in cells.items():
         order = sorted(rel[key], key=lambda n: rel[key][n])

@@ -59,8 +59,8 @@ PREDICTED_CACHED_TOKENS = "prefix.predicted_cached_tokens"
 # the policy predicts the request's TTFT (queue and prefill), they last this multiple of
 # it, at least `speculative_ttl_s` and at most `MAX_SPECULATIVE_TTL_S`; other pickers of
 # the pool receive them with the same life. The multiple covers the prediction's error
-# (README, "Prefixes in flight across pickers": the measured spread of TTFT over
-# predicted TTFT past saturation).
+# (benchmarks/RESULTS.md, "Prefixes in flight across pickers": the measured spread of TTFT
+# over predicted TTFT past saturation).
 SPECULATIVE_TTFT_MARGIN = 2.0
 MAX_SPECULATIVE_TTL_S = 60.0
 

@@ -56,17 +56,17 @@ are reused too).
 The third term is the decode stall: vLLM schedules prefill chunks in the same steps as
 the running requests' decodes, so each of those waits the placement's prefill time for
 its next token. Weighted at a tenth of a second of TTFT per stalled second (a chosen rate
-of exchange, measured both ways in the README), it sends prompts that nothing holds to
-pods decoding fewer requests, so decode batches stay even, while a cached prefix (little
-prefill, little stall) still wins. The fourth term, off unless configured, is the decode
-crowding: once its prefill is done the placement decodes in the same steps as the pod's
-running requests, and each step takes longer by the learned slope
+of exchange, measured both ways in benchmarks/RESULTS.md), it sends prompts that nothing
+holds to pods decoding fewer requests, so decode batches stay even, while a cached prefix
+(little prefill, little stall) still wins. The fourth term, off unless configured, is the
+decode crowding: once its prefill is done the placement decodes in the same steps as the
+pod's running requests, and each step takes longer by the learned slope
 (scorers/decode_model.py: seconds per output token per running request, from the
 answers' time per output token with the prefill's share of the steps divided out), for
 about the mean output length. It keeps a popular prefix's followers from piling into one
 decode batch once that batch costs its requests more than the prefix saves: more output
 tokens/s, at the price of computing some prefixes again. Other terms were measured and
-rejected (README, "Routing policies").
+rejected (benchmarks/RESULTS.md, "Routing policies").
 
 vLLM always computes the prompt's last token, so a pod reuses at most
 (prompt - 1) // block_size full blocks, however much of the prompt it holds.
@@ -175,14 +175,14 @@ class PredictedTTFTParams(PluginParams):
     # TTFT alone (big decode batches pile up where prefixes are), 1 for the sum of
     # end-to-end latencies (measured to cost TTFT p90). 0.1 was chosen on the seed-0
     # policy grids from {0, 0.05, 0.1, 0.15, 0.25, 1} and checked on held-out seeds
-    # (README, "Routing policies").
+    # (benchmarks/RESULTS.md, "Routing policies").
     decodeStallWeight: float = Field(default=0.1, ge=0)
     # Weight of the decode steps a placement slows while it decodes, per request decoding
     # on the pod: each running request waits the learned per-request step cost
     # (scorers/decode_model.py) for about the mean output length. The same kind of delay
     # as the stall; at the stall's rate (0.1) it evens decode batches for output tokens/s
-    # at some cost in TTFT p90, measured in the README ("Decode crowding"), so it is off
-    # (0) by default: a choice for pools that value throughput over TTFT tails.
+    # at some cost in TTFT p90, measured in benchmarks/RESULTS.md ("Decode crowding"), so
+    # it is off (0) by default: a choice for pools that value throughput over TTFT tails.
     decodeCrowdingWeight: float = Field(default=0.0, ge=0)
     # Prompt prefixes this gateway routed count as held by that pod until answered, at
     # most this long. A queued request has computed nothing yet, so neither the pod's KV
@@ -191,18 +191,19 @@ class PredictedTTFTParams(PluginParams):
     # nowhere and compute it again on another pod. A running request keeps its blocks
     # until it ends, so "held until answered" is what the pod does; the cap only bounds
     # an answer that never comes (60 s: longer than a queue any pool serves from; 60 and
-    # 300 gave identical grids, README "Prefixes in flight"). 0 turns it off.
+    # 300 gave identical grids, benchmarks/RESULTS.md, "Prefixes in flight"). 0 turns it off.
     routedPrefixSeconds: float = Field(default=60.0, ge=0)
     # Share the price of computing again a prefix another pod holds with the prefix's
-    # recent followers that would find the copy's pod free (README, "A copy of a prefix
-    # serves its later followers too"); false charges the whole price to the one request.
+    # recent followers that would find the copy's pod free (benchmarks/RESULTS.md, "A copy
+    # of a prefix serves its later followers too"); false charges the whole price to the one
+    # request.
     shareDuplicationPrice: bool = True
     routedPrefixChunkTokens: int = Field(default=256, ge=1)
     # With shared pool state, hand each routed request and its answer to the other
     # pickers, and put theirs on this picker's queue model. Off by default: in the replay
     # it brings three pickers to one picker's TTFT, but live past saturation it placed
-    # the groups of a shared-prefix workload worse than without it (README, "Several
-    # pickers, one queue").
+    # the groups of a shared-prefix workload worse than without it (benchmarks/RESULTS.md,
+    # "Several pickers, one queue").
     sharedQueue: bool = False
     staleAfterSeconds: float = Field(default=1.0, gt=0)
     blockSize: int | None = Field(default=None, gt=0)

@@ -426,7 +426,7 @@ class PodSpeed:
 # 6%, a pod that became 2x slower is priced at 1.7x within about fifteen answers (sooner
 # when the shape moves too), and the first answers are averaged, so a pod of another kind
 # is placed at once. A faster rate follows pods sooner but lets queueing noise in the
-# answers make identical pods look different (measured in the README's policy grid).
+# answers make identical pods look different (measured in the policy grid, benchmarks/RESULTS.md).
 SPEED_RATE = 0.08
 SPEED_SETTLED = 4
 SPEED_RATIO_LIMIT = 2.0

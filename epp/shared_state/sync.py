@@ -65,7 +65,7 @@ DEFAULT_INTERVAL_S = 0.1
 # Notices are sent, and exchanges woken by them start, this far apart on average: in a
 # busy pool a peer's decisions are about this old (plus a round trip) when a decision
 # reads them, as with the 20 ms polling notices replaced, and a picker makes at most 50
-# notice-driven exchanges a second (README, "Measured": shared_state_freshness) ...
+# notice-driven exchanges a second (benchmarks/RESULTS.md: shared_state_freshness) ...
 DEFAULT_NOTICE_GAP_S = 0.02
 # ... after a burst of this many at once: a few requests' bookings, and a changed scrape,
 # are announced and read without waiting.
@@ -73,7 +73,7 @@ NOTICE_BURST = 4
 # Off by default (inf): decisions use what the background sync brought in. A finite
 # value makes a decision read the store first unless an exchange started this recently,
 # waiting at most `DEFAULT_READ_BUDGET_S`: fresher, but every such decision sleeps on a
-# socket, and a busy machine is slow to wake a sleeping process (README, "Measured").
+# socket, and a busy machine is slow to wake a sleeping process (benchmarks/RESULTS.md).
 DEFAULT_MAX_STALENESS_S = float("inf")
 DEFAULT_READ_BUDGET_S = 0.001
 DEFAULT_TIMEOUT_S = 0.5

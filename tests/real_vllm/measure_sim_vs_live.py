@@ -8,10 +8,10 @@ Both modes must rank the policies alike on TTFT p50, and the sim's TTFT p50 must
 
 A measurement run on demand, not part of `./dev test` (its file name keeps pytest's
 collection from finding it), which holds only checks that pass: this one passed in 9 of
-11 runs (README, "How faithful is the simulator"). The routing latency charged to the sim
-is measured before the replay and moves between runs, and the sim's p50 is below live in
-20 of 22 policy runs (by 1-33% in the last five), near the 35% bound: the live pods
-share two cores with the gateway and the client.
+11 runs (benchmarks/RESULTS.md, "How faithful is the simulator"). The routing latency
+charged to the sim is measured before the replay and moves between runs, and the sim's
+p50 is below live in 20 of 22 policy runs (by 1-33% in the last five), near the 35%
+bound: the live pods share two cores with the gateway and the client.
 
 Run it by path:
     .venv/bin/python -m pytest tests/real_vllm/measure_sim_vs_live.py

@@ -104,7 +104,7 @@ async def cold_ttfts(real_url: str, sim_url: str) -> list[tuple[int, float, floa
                 order = [(real, real_times), (sim, sim_times)]
                 for probe, times in order if run % 2 == 0 else order[::-1]:
                     # Woken first, as `epp calibrate` measures it: an engine idle for a
-                    # while answers its next request several ms late (README, "How
+                    # while answers its next request several ms late (benchmarks/RESULTS.md, "How
                     # faithful is the simulator"), a cost the profile does not model.
                     await probe.stream(prompts.make(16), 1)
                     ttft = (await probe.stream(prompts.make(n), 1)).ttft_s
