@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/policy_grid.py [--requests N] [--pods N] [--jobs N]
         [--seed S] [--pod-slowdowns F,F,...] [--kv-tokens N] [--mooncake-start I]
-        [--name STEM]
+        [--scrape-interval S] [--kv-event-delay S] [--name STEM]
 
 Cells: traces {Mooncake synthetic (N consecutive requests of the real trace, its first
 unless `--mooncake-start` says otherwise, with their own arrival pattern time-scaled), an
@@ -24,6 +24,8 @@ The pool is identical pods with the profile's large KV cache unless told otherwi
 `--pod-slowdowns` makes some pods slower (mixed GPUs; the offered load then counts the
 pool's capacity at those speeds) and `--kv-tokens` gives every pod a smaller cache, so
 prefixes are evicted (`policy_grid_pod_slowdowns*.json`, `policy_grid_kv64k*.json`).
+The routers hear of the pods as `epp serve` does by default (a scrape every 50 ms, KV events
+50 ms after their step) unless `--scrape-interval` and `--kv-event-delay` make that later.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ POLICIES = (
 )
 MODEL = "model"
 BLOCK_SIZE = SimConfig().block_size
+# The signals' timing every grid runs with unless told otherwise.
+SIGNALS = SimConfig()
 
 
 def grid_profile(factor: float, base_name: str = BASE_PROFILE) -> str:
@@ -206,6 +210,17 @@ def request_index(text: str) -> int:
     return value
 
 
+def signal_delay(text: str) -> float:
+    """An argparse type: how late the router hears of a pod, in seconds (a number > 0)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a delay in seconds (a number > 0)")
+    return value
+
+
 def load_workload(trace: str, n: int, seed: int, mooncake_start: int = 0) -> list[TraceRequest]:
     if trace == "mooncake":
         return mooncake_window(n, mooncake_start)
@@ -264,6 +279,8 @@ def cell_setup(
     profile: str = BASE_PROFILE,
     mooncake_start: int = 0,
     context_limits: bool = False,
+    scrape_interval_s: float = SIGNALS.scrape_interval_s,
+    kv_event_delay_s: float = SIGNALS.kv_event_delay_s,
 ) -> tuple[Workload, SimConfig]:
     """One cell's requests with their arrivals, and its pool."""
     requests = load_workload(cell.trace, n, seed, mooncake_start)
@@ -276,6 +293,8 @@ def cell_setup(
         pod_slowdowns=slowdowns,
         num_blocks=None if kv_tokens is None else kv_tokens // BLOCK_SIZE,
         context_limits=context_limits,
+        scrape_interval_s=scrape_interval_s,
+        kv_event_delay_s=kv_event_delay_s,
     )
     return Workload(requests, arrivals), config
 
@@ -292,6 +311,8 @@ def cell_setup_with_options(cell: Cell, args: argparse.Namespace) -> tuple[Workl
         args.profile,
         args.mooncake_start,
         args.context_limits,
+        args.scrape_interval,
+        args.kv_event_delay,
     )
 
 
@@ -460,6 +481,22 @@ def build_parser() -> argparse.ArgumentParser:
         "each Mooncake stretch) is refused by the picker instead of by a pod, and is not "
         "priced meanwhile; off by default, as the committed grids were run",
     )
+    ap.add_argument(
+        "--scrape-interval",
+        type=signal_delay,
+        default=SIGNALS.scrape_interval_s,
+        metavar="S",
+        help="every router reads the pods' /metrics this often (default: %(default)s s)",
+    )
+    ap.add_argument(
+        "--kv-event-delay",
+        type=signal_delay,
+        default=SIGNALS.kv_event_delay_s,
+        metavar="S",
+        help="a pod's KV events reach the routers that read them this long after the step "
+        "that stored the blocks (default: %(default)s s); with --scrape-interval, how stale "
+        "the routers' view of the pool is",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     ap.add_argument("--name", default="policy_grid")
     ap.add_argument(
@@ -535,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "mooncake_start": args.mooncake_start,
         "context_limits": args.context_limits,
+        "scrape_interval_s": args.scrape_interval,
+        "kv_event_delay_s": args.kv_event_delay,
         "profile": args.profile,
         "profile_attention_s_per_pair": PROFILES[args.profile].prefill_attention_s_per_token_pair,
         "load_definition": "offered prompt tokens/s / (pods / prefill_s_per_token)",

@@ -68,3 +68,25 @@ def test_a_grid_of_a_later_mooncake_window_records_it_and_replays_those_requests
     with pytest.raises(SystemExit):
         main([*grid, "--name", "bad", "--mooncake-start", "-1"])
     assert not (tmp_path / "bad.json").exists()
+
+
+def test_a_grid_with_late_signals_records_them_and_its_routers_hear_late(tmp_path):
+    grid = ["--requests", "40", "--trace", "shared-prefix", "--load", "1.1", "--attention",
+            "0", "--policy", "default", "--jobs", "1", "--out", str(tmp_path)]  # fmt: skip
+    assert main([*grid, "--name", "fresh"]) == 0
+    assert main([*grid, "--name", "late", "--scrape-interval", "2", "--kv-event-delay", "2"]) == 0
+    fresh = json.loads((tmp_path / "fresh.json").read_text())
+    late = json.loads((tmp_path / "late.json").read_text())
+    assert (fresh["scrape_interval_s"], fresh["kv_event_delay_s"]) == (0.05, 0.05)
+    assert (late["scrape_interval_s"], late["kv_event_delay_s"]) == (2.0, 2.0)
+    replayed = grid_args(late)
+    assert (replayed.scrape_interval, replayed.kv_event_delay) == (2.0, 2.0)
+    # With the pods' stored blocks heard of 2 s late, some group's follower is placed
+    # before its system prompt shows anywhere, and computes it again elsewhere.
+    key = "shared-prefix load=1.1 attn=0x"
+    on_time, heard_late = fresh["cells"][key]["default"], late["cells"][key]["default"]
+    assert heard_late["prefix_hit_rate"] < on_time["prefix_hit_rate"]
+    for bad in ("0", "-1", "soon", "inf"):
+        with pytest.raises(SystemExit):
+            main([*grid, "--name", "bad", "--scrape-interval", bad])
+    assert not (tmp_path / "bad.json").exists()
