@@ -233,6 +233,22 @@ def test_stale_metrics_are_ignored_but_own_inflight_counts():
     assert c.components["a:1"]["wait_s"] == pytest.approx(3 * 0.0005)
 
 
+def test_a_pool_scraped_every_few_seconds_is_read_between_its_scrapes():
+    s = scorer(overheadSeconds=0.0, staleAfterSeconds=1.0, meanPromptTokens=1000)
+    slow = pod("a:1", waiting=4)
+    for scraped_at in (94.0, 96.0, 98.0):  # every 2 s, longer than staleAfterSeconds
+        slow.metrics.scraped_at = scraped_at
+        s.score(ctx(100, now=scraped_at + 0.01), [slow])
+    # 1.5 s after the last scrape the next is not yet due: its 4 waiting requests count.
+    c = ctx(100, now=99.5)
+    s.score(c, [slow])
+    assert c.components["a:1"]["wait_s"] == pytest.approx(4 * s.mean_uncached_tokens / RATE)
+    # A pod whose scrapes stop is stale a second past the one it missed.
+    late = ctx(100, now=101.1)
+    s.score(late, [slow])
+    assert late.components["a:1"]["wait_s"] == 0.0
+
+
 def test_completed_requests_come_off_a_scrape_taken_before_they_ended():
     s = scorer(overheadSeconds=0.0, meanPromptTokens=1000)
     a = pod("a:1", waiting=2)
