@@ -340,7 +340,7 @@ class MetricsScraper:
     def apply_scrape(self, pod: PodState, metrics: PodMetrics, scraped_at: float) -> None:
         """A successful scrape of `pod` taken at `scraped_at` (this scraper's clock), by
         this picker or another: the pod's metrics, restart and readiness follow it."""
-        metrics.scraped_at = scraped_at
+        metrics.mark_scraped(scraped_at, pod.metrics)
         previous_start = pod.metrics.process_start_time
         pod.metrics = metrics
         started_at = metrics.process_start_time

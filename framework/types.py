@@ -72,7 +72,19 @@ class PodMetrics:
     # `process_start_time_seconds`: a new value means the pod's process restarted.
     process_start_time: float | None = None
     scraped_at: float = 0.0  # monotonic seconds; 0 = never
+    # Seconds between the pod's last two scrapes (0 = one or none yet): how old a scrape
+    # gets before the next is due, so a pool scraped every few seconds is not taken for
+    # one whose scrapes stopped.
+    scrape_interval_s: float = 0.0
     consecutive_failures: int = 0
+
+    def mark_scraped(self, at: float, before: PodMetrics) -> None:
+        """Stamps a scrape taken at `at`; `before` is what the pod's metrics were until now
+        (this same object when a scrape is copied into it)."""
+        last = before.scraped_at
+        # A clock or process reset (`at` not after the last) keeps the interval known.
+        self.scrape_interval_s = at - last if 0.0 < last < at else before.scrape_interval_s
+        self.scraped_at = at
 
 
 @dataclass(slots=True)

@@ -206,9 +206,9 @@ class PredictedTTFTParams(PluginParams):
     # "Several pickers, one queue").
     sharedQueue: bool = False
     # A pod's scraped queue is trusted until this long past the scrape after it was due
-    # (the pod's last interval between scrapes, learned): a pod whose scrapes fail stops
-    # counting by its old queue, while a pool scraped every few seconds is read between
-    # its scrapes instead of being taken for one that stopped answering.
+    # (PodMetrics.scrape_interval_s): a pod whose scrapes fail stops counting by its old
+    # queue, while a pool scraped every few seconds is read between its scrapes instead of
+    # being taken for one that stopped answering.
     staleAfterSeconds: float = Field(default=1.0, gt=0)
     blockSize: int | None = Field(default=None, gt=0)
 
@@ -385,8 +385,6 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
     def __init__(self, name: str, params: PredictedTTFTParams) -> None:
         super().__init__(name, params)
         self.pods: dict[str, PodModel] = {}
-        # Per pod: the last scrape time seen and the interval before it.
-        self._scrapes: dict[str, tuple[float, float]] = {}
         self.learner = TTFTLearner(
             Prior.from_rates(
                 params.overheadSeconds,
@@ -519,7 +517,6 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         models = self.pods
         learner = self.learner
         stale_after = p.staleAfterSeconds
-        scrapes = self._scrapes
         default_tpot = p.decodeSecondsPerToken
         cpu_rate = p.cpuTierTokensPerSecond
         kv_full = p.kvFullUsage
@@ -553,14 +550,7 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
         for pod in pods:
             address = pod.endpoint.address
             m = pod.metrics
-            scraped_at = m.scraped_at
-            seen = scrapes.get(address)
-            if seen is None or seen[0] != scraped_at:
-                interval = scraped_at - seen[0] if seen is not None and seen[0] > 0.0 else 0.0
-                if seen is not None and not interval > 0.0:
-                    interval = seen[1]  # a clock or pod reset: keep the last interval
-                scrapes[address] = seen = (scraped_at, interval)
-            ok = scraped_at == 0.0 or now - scraped_at <= stale_after + seen[1]
+            ok = m.scraped_at == 0.0 or now - m.scraped_at <= stale_after + m.scrape_interval_s
             model = models.get(address)
             speed = speeds.get(address)
             k = math.exp(speed.credible_log_scale(center)) if speed is not None else typical

@@ -188,7 +188,7 @@ def _copy_metrics(m: EngineMetrics, engine: SimEngine, out: PodMetrics, now: flo
     out.num_gpu_blocks = engine.pool.num_usable
     out.prefix_cache_queries = float(m.stats.prefix_cache_queries)
     out.prefix_cache_hits = float(m.stats.prefix_cache_hits)
-    out.scraped_at = now
+    out.mark_scraped(now, out)
     out.consecutive_failures = 0
 
 

@@ -9,7 +9,7 @@ from sched_helpers import pod, request
 
 from smart_epp.epp.config import plugin_types
 from smart_epp.framework.plugins import LearnedSample, SchedulingContext
-from smart_epp.framework.types import Outcome, PrefixHit, Usage
+from smart_epp.framework.types import Outcome, PodMetrics, PrefixHit, Usage
 from smart_epp.kv_index.keys import KeyScope, block_keys
 from smart_epp.kv_index.progress import PrefillProgress
 from smart_epp.scorers.predicted_ttft_scorer import (
@@ -237,7 +237,7 @@ def test_a_pool_scraped_every_few_seconds_is_read_between_its_scrapes():
     s = scorer(overheadSeconds=0.0, staleAfterSeconds=1.0, meanPromptTokens=1000)
     slow = pod("a:1", waiting=4)
     for scraped_at in (94.0, 96.0, 98.0):  # every 2 s, longer than staleAfterSeconds
-        slow.metrics.scraped_at = scraped_at
+        slow.metrics.mark_scraped(scraped_at, slow.metrics)
         s.score(ctx(100, now=scraped_at + 0.01), [slow])
     # 1.5 s after the last scrape the next is not yet due: its 4 waiting requests count.
     c = ctx(100, now=99.5)
@@ -247,6 +247,21 @@ def test_a_pool_scraped_every_few_seconds_is_read_between_its_scrapes():
     late = ctx(100, now=101.1)
     s.score(late, [slow])
     assert late.components["a:1"]["wait_s"] == 0.0
+
+
+def test_a_scrape_records_the_interval_since_the_one_before():
+    before = PodMetrics()
+    first = PodMetrics()
+    first.mark_scraped(10.0, before)
+    assert (first.scraped_at, first.scrape_interval_s) == (10.0, 0.0)  # none before it
+    second = PodMetrics()
+    second.mark_scraped(12.5, first)
+    assert second.scrape_interval_s == 2.5
+    second.mark_scraped(13.0, second)  # copied into the same object, as the replay does
+    assert (second.scraped_at, second.scrape_interval_s) == (13.0, 0.5)
+    reset = PodMetrics()
+    reset.mark_scraped(1.0, second)  # a clock that went back keeps the interval known
+    assert reset.scrape_interval_s == 0.5
 
 
 def test_completed_requests_come_off_a_scrape_taken_before_they_ended():
