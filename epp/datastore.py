@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
 
 from ..framework.types import Endpoint, PodState
 
 log = logging.getLogger(__name__)
 
 EndpointListener = Callable[[Endpoint], None]
+_T = TypeVar("_T")
 # (requests, prompt tokens, prefilling, prefilling tokens, routed prefill seconds so far)
 OwnLoad = tuple[int, int, int, int, float]
 # (requests, prompt tokens, prefilling, prefilling tokens, prefill seconds routed per second)
@@ -30,6 +32,7 @@ class Datastore:
     def __init__(self) -> None:
         self._pods: dict[str, PodState] = {}
         self._listeners: list[tuple[EndpointListener, EndpointListener]] = []
+        self._departure_listeners: list[Callable[[str], None]] = []
         # Called after this picker's own in-flight load changed, with (pod, added): added
         # when the pod got new work (`book`), not when work left it (`prefilled`, `release`).
         self.on_change: Callable[[str, bool], None] | None = None
@@ -60,6 +63,8 @@ class Datastore:
         self._pods = pods
         for endpoint in removed:
             self._notify(1, endpoint)
+            for departed in self._departure_listeners:
+                self._call(departed, endpoint.address)
         for old, new in changed:
             self._notify(1, old)
             self._notify(0, new)
@@ -80,17 +85,22 @@ class Datastore:
         for pod in list(self._pods.values()):
             self._call(on_added, pod.endpoint)
 
+    def add_departure_listener(self, on_departed: Callable[[str], None]) -> None:
+        """Subscribes to addresses leaving the pool. Unlike `add_listener`'s removals, a
+        pod whose description changed is not one: it stays, and keeps its state."""
+        self._departure_listeners.append(on_departed)
+
     def _notify(self, which: int, endpoint: Endpoint) -> None:
         for listener in self._listeners:
             self._call(listener[which], endpoint)
 
     @staticmethod
-    def _call(listener: EndpointListener, endpoint: Endpoint) -> None:
+    def _call(listener: Callable[[_T], None], arg: _T) -> None:
         try:
-            listener(endpoint)
+            listener(arg)
         except Exception:
             # One faulty subscriber must not stop the others from learning the pool.
-            log.exception("endpoint listener failed for %s", endpoint.address)
+            log.exception("endpoint listener failed for %s", getattr(arg, "address", arg))
 
     # ------------------------------------------------------------ queries
 

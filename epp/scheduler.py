@@ -31,6 +31,7 @@ from ..framework.plugins import (
     DecisionHook,
     OutcomeHook,
     Plugin,
+    PoolHook,
     RoutingHook,
     SchedulingContext,
 )
@@ -164,6 +165,7 @@ class PipelineScheduler:
         self._routing_hooks = [p for p in active if isinstance(p, RoutingHook)]
         self._outcome_hooks = [p for p in active if isinstance(p, OutcomeHook)]
         self._decision_hooks = [p for p in active if isinstance(p, DecisionHook)]
+        self._pool_hooks = [p for p in active if isinstance(p, PoolHook)]
         if isinstance(plugins.handler, DecisionHook):
             self._decision_hooks.append(plugins.handler)
         metrics = metrics or scheduler_metrics()
@@ -470,6 +472,11 @@ class PipelineScheduler:
             return
         for plugin in self._outcome_hooks:
             plugin.on_outcome(ctx, outcome)
+
+    def on_pod_removed(self, address: str) -> None:
+        """The pod left the pool: the plugins drop what they kept of it."""
+        for plugin in self._pool_hooks:
+            plugin.on_pod_removed(address)
 
     async def aclose(self) -> None:
         close = getattr(self.tokenizer, "aclose", None)

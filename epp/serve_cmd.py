@@ -394,6 +394,7 @@ async def serve(
     metrics.registry.register(_ForeignMetrics(REGISTRY, metrics.registry))
 
     datastore.add_listener(poller.on_endpoint_added, poller.on_endpoint_removed)
+    datastore.add_departure_listener(scheduler.on_pod_removed)
     if options.endpoints:
         datastore.set_endpoints(endpoints_from_addresses(options.endpoints))
     if options.endpoints_file is not None:

@@ -129,6 +129,16 @@ class OutcomeHook(ABC):
         """The request of `ctx` ended (normally, with an error, or on client reset)."""
 
 
+class PoolHook(ABC):
+    """Opt-in: a plugin that keeps state per pod and lets it go when the pod leaves."""
+
+    @abstractmethod
+    def on_pod_removed(self, address: str) -> None:
+        """`address` left the pool (discovery no longer lists it as serving). What the
+        plugin learned of it goes: a pod that serves from the address later is another
+        process, maybe on another device, with an empty cache."""
+
+
 @dataclass(frozen=True, slots=True)
 class LearnedSample:
     """One record a plugin shares, in plain values, with the instance of the same plugin

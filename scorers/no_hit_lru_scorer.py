@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from ..framework.plugins import PluginParams, RoutingHook, SchedulingContext, Scorer
+from ..framework.plugins import PluginParams, PoolHook, RoutingHook, SchedulingContext, Scorer
 from ..framework.registry import register_plugin
 from ..framework.types import PodState
 
@@ -33,7 +33,7 @@ class NoHitLRUParams(PluginParams):
 
 
 @register_plugin()
-class NoHitLRUScorer(Scorer, RoutingHook):
+class NoHitLRUScorer(Scorer, RoutingHook, PoolHook):
     type_name = "no-hit-lru-scorer"
     Params = NoHitLRUParams
     params: NoHitLRUParams
@@ -74,3 +74,6 @@ class NoHitLRUScorer(Scorer, RoutingHook):
         self._lru.move_to_end(chosen.address)
         while len(self._lru) > self.params.lruSize:
             self._lru.popitem(last=False)
+
+    def on_pod_removed(self, address: str) -> None:
+        self._lru.pop(address, None)

@@ -89,6 +89,7 @@ from ..framework.plugins import (
     LearnedSample,
     OutcomeHook,
     PluginParams,
+    PoolHook,
     RoutingHook,
     SchedulingContext,
     Scorer,
@@ -324,6 +325,14 @@ class RoutedPrefixes:
                 if not holders:
                     del self._holders[key]
 
+    def drop_pod(self, address: str) -> None:
+        """Forgets every prefix sent to `address` (its expiry records find nothing)."""
+        for key in [k for k, holders in self._holders.items() if address in holders]:
+            holders = self._holders[key]
+            del holders[address]
+            if not holders:
+                del self._holders[key]
+
     def matched_chunks(self, keys: Sequence[int], now: float) -> dict[str, int]:
         """Per pod, how many leading chunks of `keys` it was sent and not yet answered.
 
@@ -375,7 +384,7 @@ def reusable_tokens(prompt_tokens: int, held_blocks: int, block_size: int) -> in
 
 
 @register_plugin()
-class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, SharedLearning):
+class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, SharedLearning, PoolHook):
     type_name = "predicted-ttft-scorer"
     Params = PredictedTTFTParams
     params: PredictedTTFTParams
@@ -1041,6 +1050,16 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                 ),
             )
         )
+
+    def on_pod_removed(self, address: str) -> None:
+        """Its queue model, learned speed and routed prefixes go. Requests still in flight
+        to it are not waited for: an answer that comes after teaches nothing, since the
+        pod left (often failing)."""
+        self.pods.pop(address, None)
+        self.learner.forget(address)
+        self.routed_prefixes.drop_pod(address)
+        for request_id in [r for r, routed in self._pending.items() if routed.address == address]:
+            del self._pending[request_id]
 
     def take_learned(self, now: float) -> list[LearnedSample]:
         taken = [

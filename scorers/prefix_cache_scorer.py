@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import xxhash
 from pydantic import Field
 
-from ..framework.plugins import PluginParams, RoutingHook, SchedulingContext, Scorer
+from ..framework.plugins import PluginParams, PoolHook, RoutingHook, SchedulingContext, Scorer
 from ..framework.registry import register_plugin
 from ..framework.types import LLMRequest, PodState
 from .routed_prefixes import RoutedPrefixTable
@@ -96,7 +96,7 @@ def prompt_block_hashes(request: LLMRequest, block_chars: int, max_blocks: int) 
 
 
 @register_plugin()
-class PrefixCacheScorer(Scorer, RoutingHook):
+class PrefixCacheScorer(Scorer, RoutingHook, PoolHook):
     type_name = "prefix-cache-scorer"
     Params = PrefixCacheParams
     params: PrefixCacheParams
@@ -131,3 +131,6 @@ class PrefixCacheScorer(Scorer, RoutingHook):
         if self.params.autoTune and chosen.metrics.num_gpu_blocks:
             capacity = chosen.metrics.num_gpu_blocks
         self._routed.insert(chosen.address, self._hashes(ctx, [chosen]), capacity)
+
+    def on_pod_removed(self, address: str) -> None:
+        self._routed.remove_pod(address)

@@ -76,6 +76,14 @@ class RoutedPrefixTable:
                 if not holders:
                     del self._pods_by_key[old]
 
+    def remove_pod(self, pod: str) -> None:
+        for key in self._lru.pop(pod, ()):
+            holders = self._pods_by_key.get(key)
+            if holders is not None:
+                holders.discard(pod)
+                if not holders:
+                    del self._pods_by_key[key]
+
     def size(self, pod: str) -> int:
         lru = self._lru.get(pod)
         return len(lru) if lru else 0

@@ -518,6 +518,16 @@ class TTFTLearner:
         # ran at the pool's speed.
         self.pool.observe(ttft_s / speed.scale, tokens, pairs, ahead.running)
 
+    def forget(self, address: str) -> None:
+        """The pod left the pool: its factor no longer counts toward the typical one."""
+        speed = self.pods.pop(address, None)
+        if speed is None:
+            return
+        self._log_scale_sum -= speed.log_scale
+        self.center_log_scale = (
+            statistics.median(p.log_scale for p in self.pods.values()) if self.pods else 0.0
+        )
+
     def coefficients(self, address: str) -> tuple[float, float, float, float]:
         """(s, s per 1k tokens, s per 1M pairs, s per running request) for the pod."""
         k = self.scale(address)

@@ -40,6 +40,17 @@ def test_changed_endpoint_is_reannounced_but_keeps_state() -> None:
     assert seen == ["+tcp://a:5557", "-tcp://a:5557", "+tcp://a:6000"]
 
 
+def test_departure_listeners_hear_of_pods_that_left_not_of_changed_ones() -> None:
+    store = Datastore()
+    departed: list[str] = []
+    store.add_departure_listener(departed.append)
+    store.set_endpoints([Endpoint("a:1", kv_events="tcp://a:5557"), Endpoint("b:1")])
+    store.set_endpoints([Endpoint("a:1", kv_events="tcp://a:6000"), Endpoint("b:1")])
+    assert departed == []
+    store.set_endpoints([Endpoint("c:1")])
+    assert sorted(departed) == ["a:1", "b:1"]
+
+
 def test_listener_failure_does_not_stop_others() -> None:
     store = Datastore()
     seen: list[str] = []

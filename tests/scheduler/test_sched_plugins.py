@@ -116,6 +116,19 @@ def test_approximate_prefix_scorer_evicts_per_server_lru():
     assert scorer.score(ctx_for(request(prompt="XXXXYYYY")), [a]) == [1.0]
 
 
+def test_approximate_prefix_scorer_forgets_a_pod_that_left_the_pool():
+    scorer = make("prefix-cache-scorer", blockSizeTokens=2, autoTune=False)
+    shared = "abcdefgh" * 4
+    pods = [pod("a"), pod("b")]
+    for chosen in pods:
+        scorer.on_routed(ctx_for(request(prompt=shared)), chosen)
+    scorer.on_pod_removed("a")
+    assert scorer.score(ctx_for(request(prompt=shared)), pods) == [0.0, 1.0]
+    scorer.on_pod_removed("b")
+    assert scorer._routed.size("a") == scorer._routed.size("b") == 0
+    assert not scorer._routed._pods_by_key
+
+
 def test_approximate_prefix_blocks_follow_the_upstream_character_rule():
     """llm-d-router `approximateprefix` (hashing.go, types.go): a block of blockSizeTokens
     tokens is blockSizeTokens x averageCharactersPerToken (4) bytes of the prompt, default

@@ -304,6 +304,45 @@ def test_the_scorer_learns_a_pods_speed_from_its_answers():
     assert c.components["a:1"]["ttft_s"] == pytest.approx(expected, rel=0.1)
 
 
+def test_a_pod_that_leaves_the_pool_is_forgotten():
+    s = scorer(overheadSeconds=0.0, routedPrefixSeconds=30.0)
+    a, b = pod("a:1"), pod("b:1")
+    for i in range(20):
+        # b answers 3x slower than a.
+        answer(s, a, 2000, ttft=0.1, now=100.0 + i, prompt=i)
+        answer(s, b, 2000, ttft=0.3, now=100.5 + i, prompt=100 + i)
+    assert set(s.learned_cold_ttft(1024)) == {"a:1", "b:1"}
+    in_flight = ctx(1000, now=200.0, prompt=7)
+    s.score(in_flight, [b])
+    s.on_routed(in_flight, b)
+    s.on_pod_removed("b:1")
+    assert set(s.learned_cold_ttft(1024)) == {"a:1"}
+    # A pod serving from b's address again is priced as a new pod of the pool: like a,
+    # with no queue, and holding none of what was sent to the old one.
+    again = ctx(1000, now=200.1, prompt=7)
+    s.score(again, [a, b])
+    assert again.components["b:1"]["hit_tokens"] == 0
+    assert again.components["b:1"]["ttft_s"] == pytest.approx(
+        again.components["a:1"]["ttft_s"], rel=0.01
+    )
+    # The old pod's late answer teaches nothing about the new one.
+    s.on_outcome(in_flight, Outcome("b:1", True, 200, Usage(1000, 10), 5.0, now=206.0))
+    assert set(s.learned_cold_ttft(1024)) == {"a:1"}
+
+
+def test_pods_coming_and_going_leave_no_state_behind():
+    s = scorer(routedPrefixSeconds=30.0)
+    for i in range(300):
+        p = pod(f"10.0.{i // 250}.{i % 250}:8000")
+        answer(s, p, 1000, ttft=0.1, now=100.0 + i, prompt=i)
+        late = ctx(1000, now=100.5 + i, prompt=1000 + i)
+        s.score(late, [p])
+        s.on_routed(late, p)  # still in flight when the pod goes
+        s.on_pod_removed(p.address)
+    assert not s.pods and not s.learner.pods and not len(s.routed_prefixes)
+    assert not s._pending
+
+
 def test_learned_cold_ttft_reports_each_answered_pods_learned_cost():
     """What the metric shows: per pod that answered, the learned TTFT of a cold prompt."""
     s = scorer(overheadSeconds=0.0, runningRequestStepSeconds=0.0)

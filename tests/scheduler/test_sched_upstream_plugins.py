@@ -32,6 +32,18 @@ def test_no_hit_lru_spreads_cold_requests_and_is_neutral_on_hits():
     assert scorer.score(ctx_for(prefix_hits={}), pods) == [0.5, 0.0, 1.0]
 
 
+def test_no_hit_lru_forgets_a_pod_that_left_the_pool():
+    scorer = make("no-hit-lru-scorer", lruSize=8)
+    pods = [pod("a"), pod("b"), pod("c")]
+    for chosen in pods[:2]:
+        cold = ctx_for(prefix_hits={})
+        scorer.score(cold, pods)
+        scorer.on_routed(cold, chosen)
+    scorer.on_pod_removed("a")
+    # A pod serving from a's address again is one that never took a cold request.
+    assert scorer.score(ctx_for(prefix_hits={}), pods) == [1.0, 0.0, 0.5]
+
+
 DP_CONFIG = """\
 apiVersion: llm-d.ai/v1alpha1
 kind: EndpointPickerConfig

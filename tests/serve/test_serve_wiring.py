@@ -200,6 +200,17 @@ async def test_d_gateway_metrics_and_debug_explain_line(tmp_path: Path) -> None:
                 # Every answered request stops being followed in its pod's KV events.
                 await async_wait_until(prefills_released, 10, "followed prefills released")
                 page = await gw.metrics()
+
+                # The pod leaves the pool (the endpoints file no longer lists it): what the
+                # scorer learned of it goes too, with the pool's own series.
+                write_endpoints(pool_file, [endpoint_entry(pool.pods[0])])
+
+                async def departed_pod_forgotten() -> bool:
+                    left = await gw.metrics()
+                    cost = sample(left, "smart_epp_pod_learned_cold_ttft_seconds", pod=address)
+                    return 'inference_pool_ready_pods{name="default"} 1.0' in left and cost == 0
+
+                await async_wait_until(departed_pod_forgotten, 10, "the departed pod forgotten")
         assert 0 < sample(page, "smart_epp_pod_learned_cold_ttft_seconds",
                           pod=address, plugin="predicted-ttft-scorer") < 5  # fmt: skip
         # Scheduler: per-plugin timings (and the e2e histogram exactly once).
