@@ -8,6 +8,12 @@ for the ratios. "tokenize" points start from prompt text (a unique suffix per re
 so the LRU never answers) and tokenize it in-process with the fixtures' model.
 
     python -m smart_epp.benchmarks.decision_latency [--iterations N] [--pods 8,64,256]
+        [--in-flight-per-pod K]
+
+By default each request is answered before the next is decided, so every queue is empty.
+`--in-flight-per-pod K` keeps about K requests per pod unanswered instead (each answered
+K x pods decisions later) with every pod's KV events flowing, a few milliseconds late, as
+`epp serve` runs them: the default policy then prices each pod's queue from its events.
 
 Writes benchmarks/results/decision_latency.json.
 """
@@ -23,6 +29,7 @@ import platform
 import random
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from itertools import count
 from pathlib import Path
@@ -46,6 +53,8 @@ CONTEXT_LIMIT = 32768  # each pod's max_model_len: every prompt here fits
 INDEX_ENTRIES = 1_000_000
 CONFIGS = ("default", "llmd-precise", "gie-default")
 GOALS_P99_MS = {64: 1.0, 256: 3.0}  # without tokenization
+# How late the pods' KV events arrive with --in-flight-per-pod: a healthy pool's few ms.
+EVENT_LAG_S = 0.005
 
 _request_ids = count()
 
@@ -137,23 +146,49 @@ def summarize(samples_s: list[float]) -> dict[str, float]:
 
 
 async def measure(
-    scheduler: object, pods: list[PodState], make_request: Callable[[], LLMRequest], n: int
+    scheduler: object,
+    pods: list[PodState],
+    make_request: Callable[[], LLMRequest],
+    n: int,
+    in_flight: int = 0,
 ) -> dict[str, float]:
+    """`in_flight`: requests left unanswered, the oldest answered as each new one is sent."""
     samples: list[float] = []
+    unanswered: deque[tuple[LLMRequest, Any]] = deque()
     for i in range(n + n // 10):
         req = make_request()
         start = time.perf_counter()
         decision = await scheduler.schedule(req, pods)  # type: ignore[attr-defined]
         elapsed = time.perf_counter() - start
         scheduler.on_routed(req, decision)  # type: ignore[attr-defined]
-        outcome = Outcome(decision.endpoints[0].address, ok=True, status=200)
-        scheduler.on_outcome(req, decision, outcome)  # type: ignore[attr-defined]
+        unanswered.append((req, decision))
+        while len(unanswered) > in_flight:
+            old, old_decision = unanswered.popleft()
+            outcome = Outcome(old_decision.endpoints[0].address, ok=True, status=200)
+            scheduler.on_outcome(old, old_decision, outcome)  # type: ignore[attr-defined]
         if i >= n // 10:  # the first tenth warms caches and allocators
             samples.append(elapsed)
+    for old, old_decision in unanswered:
+        outcome = Outcome(old_decision.endpoints[0].address, ok=True, status=200)
+        scheduler.on_outcome(old, old_decision, outcome)  # type: ignore[attr-defined]
     return summarize(samples)
 
 
-async def run(pod_counts: list[int], iterations: int, seed: int) -> dict[str, Any]:
+def ingest_with_events_flowing(pods: list[PodState]) -> IngestState:
+    """Ingest state whose progress view has seen every pod's events, 5 ms late."""
+    ingest = IngestState()
+    progress = ingest.progress
+    for pod in pods:
+        progress.watch(f"events-{pod.address}", pod.address, [0], BLOCK_SIZE)
+        progress.stored(pod.address, [0])
+        progress.forget(f"events-{pod.address}")
+        progress.heard(pod.address, EVENT_LAG_S)
+    return ingest
+
+
+async def run(
+    pod_counts: list[int], iterations: int, seed: int, in_flight_per_pod: int = 0
+) -> dict[str, Any]:
     rng = random.Random(seed)
     tokenizer = LocalTokenizer.from_model_dir(TINY_MODEL)
     prompt = [rng.randrange(0, 700) for _ in range(PROMPT_TOKENS)]
@@ -167,6 +202,8 @@ async def run(pod_counts: list[int], iterations: int, seed: int) -> dict[str, An
         "block_size": BLOCK_SIZE,
         "index_entries_target": INDEX_ENTRIES,
         "iterations": iterations,
+        "in_flight_per_pod": in_flight_per_pod,
+        "kv_event_lag_s": EVENT_LAG_S if in_flight_per_pod else None,
         "goals_p99_ms_without_tokenization": {str(k): v for k, v in GOALS_P99_MS.items()},
         "points": [],
     }
@@ -175,8 +212,9 @@ async def run(pod_counts: list[int], iterations: int, seed: int) -> dict[str, An
         context_limits = {p.address: CONTEXT_LIMIT for p in pods}
         index = fill_index(pods, prompt, rng)
         gc.collect()
+        in_flight = in_flight_per_pod * n_pods
         baseline = await measure(
-            RoundRobinScheduler(), pods, lambda: token_request(prompt, rng), iterations
+            RoundRobinScheduler(), pods, lambda: token_request(prompt, rng), iterations, in_flight
         )
         point: dict[str, Any] = {
             "pods": n_pods,
@@ -194,12 +232,14 @@ async def run(pod_counts: list[int], iterations: int, seed: int) -> dict[str, An
                 index=index,
                 tokenizer=tokenizer,
                 seed=seed,
-                ingest_state=IngestState(),
+                ingest_state=ingest_with_events_flowing(pods) if in_flight else IngestState(),
                 context_limit_of=context_limits.get,
             )
-            plain = await measure(scheduler, pods, lambda: token_request(prompt, rng), iterations)
+            plain = await measure(
+                scheduler, pods, lambda: token_request(prompt, rng), iterations, in_flight
+            )
             tokenized = await measure(
-                scheduler, pods, lambda: text_request(base_text, rng), iterations
+                scheduler, pods, lambda: text_request(base_text, rng), iterations, in_flight
             )
             entry = {
                 "without_tokenization": plain,
@@ -228,9 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pods", default="8,64,256")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--in-flight-per-pod",
+        type=int,
+        default=0,
+        help="requests per pod left unanswered while deciding (0: every queue empty)",
+    )
     args = parser.parse_args(argv)
+    if args.in_flight_per_pod < 0:
+        parser.error("--in-flight-per-pod must be 0 or more")
     pod_counts = [int(x) for x in args.pods.split(",")]
-    results = asyncio.run(run(pod_counts, args.iterations, args.seed))
+    results = asyncio.run(run(pod_counts, args.iterations, args.seed, args.in_flight_per_pod))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")

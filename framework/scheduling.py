@@ -97,3 +97,7 @@ class PrefillProgressView(Protocol):
     def confirmed(self, address: str) -> bool:
         """Whether the pod's events have shown the prefill of a watched block."""
         ...
+
+    def lag_s(self, address: str) -> float:
+        """How long after the pod stored blocks its events arrive (0 when unknown)."""
+        ...

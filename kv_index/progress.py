@@ -14,6 +14,12 @@ sharing the prefix will find it cached when admitted. Pods whose events never co
 watched block (no KV events, or keys that do not match the pod's) are not `confirmed`, so
 callers keep their predicted queue for them. State is bounded: the oldest watched
 requests are dropped beyond `max_requests` or `max_blocks`.
+
+Events reach the gateway some time after the pod stored the blocks (the publisher's
+batching, the network, the gateway's own event loop): the view is of the pod as it was
+that long ago. `lag_s` is that delay per pod, from each live batch's publish time against
+the gateway's clock (the same reading as the `smart_epp_kv_event_lag_seconds` histogram),
+so that callers can age the view by it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ DEFAULT_MAX_REQUESTS = 65_536
 # About 100 MB at most: far more than the uncached blocks of every request a pool has in
 # flight (1,000 requests of 8k uncached tokens at 16-token blocks are 512k).
 DEFAULT_MAX_BLOCKS = 1 << 20
+# Weight of one batch's lag in the running mean: about the last 20 batches, a fraction of
+# a second on a busy pod, so a publisher or network that falls behind is followed quickly.
+LAG_WEIGHT = 0.05
 
 
 @dataclass(slots=True)
@@ -54,6 +63,7 @@ class PrefillProgress:
         self._owners: dict[str, dict[int, tuple[str, int]]] = {}
         self._confirmed: set[str] = set()
         self.blocks = 0  # watched blocks in all
+        self._lag_s: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -114,6 +124,16 @@ class PrefillProgress:
         size = watched.block_size
         return watched.computed * size, watched.blocks * size
 
+    def heard(self, address: str, lag_s: float) -> None:
+        """A live batch from the pod arrived `lag_s` after the pod published it."""
+        lag_s = max(0.0, lag_s)
+        old = self._lag_s.get(address)
+        self._lag_s[address] = lag_s if old is None else old + LAG_WEIGHT * (lag_s - old)
+
+    def lag_s(self, address: str) -> float:
+        """How late the pod's events arrive, as a running mean (0 until a batch has)."""
+        return self._lag_s.get(address, 0.0)
+
     def confirmed(self, address: str) -> bool:
         """Whether the pod's events have shown the prefill of a watched block: only then
         does a request with nothing computed mean one still waiting."""
@@ -126,6 +146,7 @@ class PrefillProgress:
         """The pod restarted or cleared its cache: its requests are lost or recomputed,
         and its events must confirm the keys again."""
         self._confirmed.discard(address)
+        self._lag_s.pop(address, None)
         for request_id in [r for r, w in self._requests.items() if w.address == address]:
             self.forget(request_id)
         self._owners.pop(address, None)

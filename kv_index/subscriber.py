@@ -309,7 +309,7 @@ class PodEventStream:
                         continue
                     if skipped:
                         metrics.DECODE_ERRORS.labels(self.pod).inc(skipped)
-                    await self._apply(rank, seq, batch)
+                    await self._apply(rank, seq, batch, live=False)
                     applied += 1
         except (TimeoutError, zmq.ZMQError) as exc:
             metrics.REPLAYS.labels(self.pod, "failed").inc()
@@ -327,7 +327,11 @@ class PodEventStream:
             return await self._replay(rank, 0, stop)
         return applied
 
-    async def _apply(self, rank: int, seq: int, batch: EventBatch) -> None:
+    async def _apply(self, rank: int, seq: int, batch: EventBatch, live: bool = True) -> None:
+        """`live`: heard as the pod published it (a replayed batch is old by design, so
+        its age says nothing of how late the pod's events arrive)."""
+        if live:
+            self.ingest.progress.heard(self.pod, self._wall_clock() - batch.ts)
         try:
             result = self.ingest.apply(self.pod, batch, self.model)
             for op in result.ops:

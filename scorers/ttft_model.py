@@ -247,6 +247,7 @@ class PodQueue:
         waiting: int | None,
         scraped_at: float,
         progress: PrefillProgressView | None = None,
+        lag_s: float = 0.0,
     ) -> tuple[float, float, int, int]:
         """(tokens, attention pairs, requests) of prefill still ahead of a new request, and
         how many of the scraped waiting requests were not this gateway's.
@@ -257,7 +258,8 @@ class PodQueue:
         a request sent before one that has started has been admitted too (with no blocks
         of its own to store when nothing shows). One that shows nothing is placed by the
         scrape as below: waiting when sent after it or among its waiting count, else
-        admitted and draining over its predicted prefill.
+        admitted and draining over its predicted prefill. The events are `lag_s` old
+        (`PrefillProgressView.lag_s`): what they and the scrape place is aged by that much.
 
         Otherwise, with a scrape, the pod says how many requests were waiting then: they
         are the newest of this gateway's requests sent before it, and every request sent
@@ -265,7 +267,7 @@ class PodQueue:
         drain over its own predicted prefill, ending at its predicted first token.
         """
         if progress is not None:
-            return self._ahead_by_progress(now, waiting, scraped_at, progress)
+            return self._ahead_by_progress(now, waiting, scraped_at, progress, lag_s)
         tokens = pairs = 0.0
         count = 0
         if waiting is None:
@@ -333,17 +335,33 @@ class PodQueue:
         self.drained_until = end
 
     def _ahead_by_progress(
-        self, now: float, waiting: int | None, scraped_at: float, progress: PrefillProgressView
+        self,
+        now: float,
+        waiting: int | None,
+        scraped_at: float,
+        progress: PrefillProgressView,
+        lag_s: float,
     ) -> tuple[float, float, int, int]:
         """`ahead` from the pod's KV events: the requests they show started are admitted
-        (not queued) with their uncached blocks not stored yet still to compute."""
+        (not queued) with their uncached blocks not stored yet still to compute.
+
+        The events show the pod as it was `lag_s` ago; since then it has gone on with its
+        prefill, in admission order, at each request's predicted prefill time. So the
+        requests the events and the scrape place (not those placed by their predicted
+        drain, which runs to `now` already) are aged by that much: without it a pod whose
+        events arrive seconds late looks seconds of work busier than it is, and the
+        learner, fed that phantom queue, unlearns the per-token cost."""
         tokens = pairs = 0.0
         count = 0
         started_later = False  # a request sent after this one has begun its prefill
+        # With a lag: (request, share left, whether the signals place it, whether it counts
+        # as queued) of every request still ahead, newest first, aged below.
+        placed: list[tuple[Inflight, float, bool, bool]] | None = [] if lag_s > 0 else None
         for request_id, item in reversed(self.items.items()):
             seen = progress.computed(request_id)
             before_scrape = waiting is not None and item.routed_at <= scraped_at
             done, watched = seen if seen is not None else (0, 0)
+            by_signals = queued = False
             if done > 0:
                 if before_scrape and waiting:
                     waiting -= 1  # perhaps still waiting at the scrape, admitted since
@@ -351,13 +369,14 @@ class PodQueue:
                 if done >= watched:
                     continue
                 frac = 1.0 - done / watched
+                by_signals = True
             elif started_later and watched > 0:
                 continue
             elif waiting is None:
                 frac = item.share_before_first_token(now)
                 if frac <= 0:
                     continue
-                count += 1
+                queued = True
             elif before_scrape and not waiting:
                 # Admitted by the scrape, yet nothing stored: admitted just now (its events
                 # not in yet), or nothing of its own to store (its blocks were cached, or
@@ -369,14 +388,37 @@ class PodQueue:
                 frac = item.share_before_first_token(now)
                 if frac <= 0:
                     continue
-                count += 1
+                queued = True
             else:
                 if before_scrape:
                     waiting -= 1
                 frac = 1.0
-                count += 1
+                queued = by_signals = True
+            count += queued
+            if placed is not None:
+                placed.append((item, frac, by_signals, queued))
+                continue
             tokens += frac * item.tokens
             pairs += frac * item.pairs
+        if placed:
+            # The pod's prefill over the lag, oldest request first. A request placed by
+            # its predicted drain is taken to be where that prediction puts it now: while
+            # it has work left, the pod has not got to the requests behind it.
+            t = now - lag_s
+            for item, frac, by_signals, queued in reversed(placed):
+                if t < now:
+                    if not by_signals:
+                        t = now
+                    else:
+                        end = max(t, item.routed_at) + frac * item.prefill_s
+                        if end <= now:
+                            t = end
+                            count -= queued
+                            continue
+                        frac = min(frac, (end - now) / item.prefill_s)
+                        t = now
+                tokens += frac * item.tokens
+                pairs += frac * item.pairs
         return tokens, pairs, count, waiting or 0
 
 

@@ -3,6 +3,8 @@ BlockStored events arrive chunk by chunk, through the real ingest and key recipe
 
 from __future__ import annotations
 
+import pytest
+
 from smart_epp.kv_index.events import BlockStored, EventBatch
 from smart_epp.kv_index.ingest import IngestState
 from smart_epp.kv_index.keys import KeyScope, block_keys
@@ -90,3 +92,18 @@ def test_a_restarted_pod_must_confirm_again_and_loses_its_requests() -> None:
     ingest.reset_pod(POD)
     assert not ingest.progress.confirmed(POD)
     assert ingest.progress.computed("r1") is None
+
+
+def test_the_lag_of_a_pods_events_is_a_running_mean_forgotten_on_restart() -> None:
+    progress = PrefillProgress()
+    assert progress.lag_s(POD) == 0.0
+    progress.heard(POD, 2.0)
+    assert progress.lag_s(POD) == 2.0
+    for _ in range(200):
+        progress.heard(POD, 0.01)
+    assert progress.lag_s(POD) == pytest.approx(0.01, abs=1e-3)
+    progress.heard(POD, -0.5)  # a pod whose clock runs ahead of the gateway's
+    assert 0.0 <= progress.lag_s(POD) < 0.01
+    assert progress.lag_s("other:1") == 0.0
+    progress.reset_pod(POD)
+    assert progress.lag_s(POD) == 0.0

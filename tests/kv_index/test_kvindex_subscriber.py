@@ -21,11 +21,14 @@ from smart_epp.kv_index.memory import MemoryBlockIndex
 BS = 4
 
 
-def stored_batch(tokens: list[int], hashes: list[int], parent: int | None = None) -> bytes:
+def stored_batch(
+    tokens: list[int], hashes: list[int], parent: int | None = None, age_s: float = 0.0
+) -> bytes:
+    """A batch the pod published `age_s` ago."""
     event = BlockStored(
         block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS
     )
-    return encode_batch(EventBatch(ts=time.time(), events=[event]))
+    return encode_batch(EventBatch(ts=time.time() - age_s, events=[event]))
 
 
 def held_blocks(index: MemoryBlockIndex, pod: str, keys: list[int]) -> int:
@@ -151,6 +154,34 @@ async def test_connecting_late_replays_what_the_pod_buffered(ctx) -> None:
         chain = pod.keys(list(range(1, 9)))
         await async_wait_until(lambda: held_blocks(index, pod.address, chain) == 2)
         assert publisher.replay_requests[0] == 0
+    finally:
+        await manager.stop()
+        await publisher.close()
+
+
+async def test_the_lag_of_a_pods_events_is_read_from_live_batches_only(ctx) -> None:
+    pod = Pod()
+    publisher = await VllmKvPublisher(f"kv@{pod.address}@m", pod.events, pod.replay).start()
+    index = MemoryBlockIndex()
+    manager = KVEventManager(index, context=ctx, replay_timeout_s=1.0)
+    try:
+        # Buffered by the pod 30 s ago and replayed on connect: old by design.
+        await publisher.publish(stored_batch([1, 2, 3, 4], [101], age_s=30.0))
+        await manager.start()
+        await manager.add_endpoint(pod.endpoint)
+        await async_wait_until(lambda: held_blocks(index, pod.address, pod.keys([1, 2, 3, 4])))
+        assert manager.ingest.progress.lag_s(pod.address) == 0.0
+        # Live batches that left the pod 0.5 s before they were sent on.
+        tokens = list(range(1, 9))
+
+        async def heard_live() -> bool:
+            if manager.ingest.progress.lag_s(pod.address) > 0:
+                return True
+            await publisher.publish(stored_batch(tokens[4:], [102], parent=101, age_s=0.5))
+            return False
+
+        await async_wait_until(heard_live, timeout=10, what="a live batch through the SUB socket")
+        assert 0.5 <= manager.ingest.progress.lag_s(pod.address) < 5.0
     finally:
         await manager.stop()
         await publisher.close()

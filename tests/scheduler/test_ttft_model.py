@@ -281,6 +281,45 @@ def test_queue_ahead_follows_the_prefill_the_pods_events_show():
     assert q.ahead(30.0, waiting=4, scraped_at=29.0, progress=progress)[3] == 1
 
 
+def test_events_that_arrive_late_are_aged_by_their_lag():
+    # The pod's events arrive 1 s after it stores the blocks: at 11.5 s they show it as
+    # at 10.5 s, half-way through r0, with r1 and r2 not begun. It has prefilled since:
+    # the rest of r0 (0.25 s) and r1 (0.5 s) by 11.25 s, then r2 from its sending at
+    # 11.4 s, 0.1 of its 0.5 s done.
+    progress = PrefillProgress()
+    pod = "10.0.0.1:8000"
+    q = PodQueue()
+    for i, routed_at in enumerate((10.0, 10.1, 11.4)):
+        q.items[f"r{i}"] = item(1600, routed_at=routed_at, prefill_s=0.5)
+        progress.watch(f"r{i}", pod, [1000 * i + b for b in range(100)], 16)
+    progress.stored(pod, range(0, 50))  # r0: half of its blocks
+    fresh = q.ahead(11.5, waiting=0, scraped_at=9.0, progress=progress)
+    assert fresh[0] == pytest.approx(0.5 * 1600 + 1600 + 1600) and fresh[2] == 2
+    progress.heard(pod, 1.0)
+    assert progress.lag_s(pod) == 1.0
+    tokens, pairs, count, _ = q.ahead(11.5, 0, 9.0, progress, progress.lag_s(pod))
+    assert tokens == pytest.approx(0.8 * 1600)
+    assert pairs == pytest.approx(0.8 * attention_pairs(1600, 0))
+    assert count == 1  # r2: r1 is done by now, though no event shows it yet
+
+
+def test_a_request_still_prefilling_by_its_prediction_holds_back_those_behind_it():
+    # r0 shows nothing in the events, but the scrape at 10.05 s no longer counted it
+    # waiting: admitted then, its 2 s prefill has 0.55 s left at 11.5 s by prediction.
+    # The pod prefills in admission order, so the second of lag does not reach r1.
+    progress = PrefillProgress()
+    pod = "10.0.0.1:8000"
+    progress.watch("earlier", pod, [7], 16)
+    progress.stored(pod, [7])  # the pod's events are flowing
+    q = PodQueue()
+    q.items["r0"] = item(1600, routed_at=10.0, prefill_s=2.0)
+    q.items["r1"] = item(1600, routed_at=10.1, prefill_s=0.5)
+    for i in range(2):
+        progress.watch(f"r{i}", pod, [1000 * i + b for b in range(100)], 16)
+    tokens, _, count, _ = q.ahead(11.5, 0, 10.05, progress, lag_s=1.0)
+    assert tokens == pytest.approx(0.275 * 1600 + 1600) and count == 1
+
+
 def test_another_pickers_request_sent_after_the_scrape_drains_over_its_prediction():
     # This picker's own request sent after the pod's last scrape is waiting in full; one
     # another picker sent then was heard of late and may have been answered already, so
