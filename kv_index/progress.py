@@ -24,6 +24,7 @@ so that callers can age the view by it.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -125,7 +126,10 @@ class PrefillProgress:
         return watched.computed * size, watched.blocks * size
 
     def heard(self, address: str, lag_s: float) -> None:
-        """A live batch from the pod arrived `lag_s` after the pod published it."""
+        """A live batch from the pod arrived `lag_s` after the pod published it. A
+        timestamp that is not a number (a corrupt or forged batch) says nothing."""
+        if not math.isfinite(lag_s):
+            return
         lag_s = max(0.0, lag_s)
         old = self._lag_s.get(address)
         self._lag_s[address] = lag_s if old is None else old + LAG_WEIGHT * (lag_s - old)

@@ -350,7 +350,9 @@ class PodQueue:
         requests the events and the scrape place (not those placed by their predicted
         drain, which runs to `now` already) are aged by that much: without it a pod whose
         events arrive seconds late looks seconds of work busier than it is, and the
-        learner, fed that phantom queue, unlearns the per-token cost."""
+        learner, fed that phantom queue, unlearns the per-token cost. A lag longer than the
+        queue (a pod whose clock runs behind the gateway's) leaves each request drained
+        from its sending at its predicted prefill: the queue the predictions alone give."""
         tokens = pairs = 0.0
         count = 0
         started_later = False  # a request sent after this one has begun its prefill

@@ -104,6 +104,9 @@ def test_the_lag_of_a_pods_events_is_a_running_mean_forgotten_on_restart() -> No
     assert progress.lag_s(POD) == pytest.approx(0.01, abs=1e-3)
     progress.heard(POD, -0.5)  # a pod whose clock runs ahead of the gateway's
     assert 0.0 <= progress.lag_s(POD) < 0.01
+    for corrupt in (float("inf"), float("-inf"), float("nan")):
+        progress.heard(POD, corrupt)
+    assert 0.0 <= progress.lag_s(POD) < 0.01
     assert progress.lag_s("other:1") == 0.0
     progress.reset_pod(POD)
     assert progress.lag_s(POD) == 0.0
