@@ -476,7 +476,10 @@ class PipelineScheduler:
     def on_pod_removed(self, address: str) -> None:
         """The pod left the pool: the plugins drop what they kept of it."""
         for plugin in self._pool_hooks:
-            plugin.on_pod_removed(address)
+            try:
+                plugin.on_pod_removed(address)
+            except Exception:  # one plugin's bookkeeping must not keep the others' state
+                log.exception("%s failed to forget pod %s", plugin.name, address)
 
     async def aclose(self) -> None:
         close = getattr(self.tokenizer, "aclose", None)
