@@ -141,50 +141,52 @@ async def test_malformed_frames_are_counted_and_ingestion_continues(dial) -> Non
     assert counter(metrics.DECODE_ERRORS, pod.address) == errors + 2
 
 
-async def test_connecting_late_replays_what_the_pod_buffered(ctx) -> None:
+@pytest.fixture
+async def unconnected(
+    ctx: zmq.asyncio.Context,
+) -> AsyncIterator[tuple[KVEventManager, MemoryBlockIndex, Pod, VllmKvPublisher]]:
+    """A publishing pod and a manager that has not connected to it yet."""
     pod = Pod()
     publisher = await VllmKvPublisher(f"kv@{pod.address}@m", pod.events, pod.replay).start()
     index = MemoryBlockIndex()
     manager = KVEventManager(index, context=ctx, replay_timeout_s=1.0)
     try:
-        await publisher.publish(stored_batch([1, 2, 3, 4], [101]))  # nobody listens yet
-        await publisher.publish(stored_batch([5, 6, 7, 8], [102], parent=101))
-        await manager.start()
-        await manager.add_endpoint(pod.endpoint)
-        chain = pod.keys(list(range(1, 9)))
-        await async_wait_until(lambda: held_blocks(index, pod.address, chain) == 2)
-        assert publisher.replay_requests[0] == 0
+        yield manager, index, pod, publisher
     finally:
         await manager.stop()
         await publisher.close()
 
 
-async def test_the_lag_of_a_pods_events_is_read_from_live_batches_only(ctx) -> None:
-    pod = Pod()
-    publisher = await VllmKvPublisher(f"kv@{pod.address}@m", pod.events, pod.replay).start()
-    index = MemoryBlockIndex()
-    manager = KVEventManager(index, context=ctx, replay_timeout_s=1.0)
-    try:
-        # Buffered by the pod 30 s ago and replayed on connect: old by design.
-        await publisher.publish(stored_batch([1, 2, 3, 4], [101], age_s=30.0))
-        await manager.start()
-        await manager.add_endpoint(pod.endpoint)
-        await async_wait_until(lambda: held_blocks(index, pod.address, pod.keys([1, 2, 3, 4])))
-        assert manager.ingest.progress.lag_s(pod.address) == 0.0
-        # Live batches that left the pod 0.5 s before they were sent on.
-        tokens = list(range(1, 9))
+async def test_connecting_late_replays_what_the_pod_buffered(unconnected) -> None:
+    manager, index, pod, publisher = unconnected
+    await publisher.publish(stored_batch([1, 2, 3, 4], [101]))  # nobody listens yet
+    await publisher.publish(stored_batch([5, 6, 7, 8], [102], parent=101))
+    await manager.start()
+    await manager.add_endpoint(pod.endpoint)
+    chain = pod.keys(list(range(1, 9)))
+    await async_wait_until(lambda: held_blocks(index, pod.address, chain) == 2)
+    assert publisher.replay_requests[0] == 0
 
-        async def heard_live() -> bool:
-            if manager.ingest.progress.lag_s(pod.address) > 0:
-                return True
-            await publisher.publish(stored_batch(tokens[4:], [102], parent=101, age_s=0.5))
-            return False
 
-        await async_wait_until(heard_live, timeout=10, what="a live batch through the SUB socket")
-        assert 0.5 <= manager.ingest.progress.lag_s(pod.address) < 5.0
-    finally:
-        await manager.stop()
-        await publisher.close()
+async def test_the_lag_of_a_pods_events_is_read_from_live_batches_only(unconnected) -> None:
+    manager, index, pod, publisher = unconnected
+    # Buffered by the pod 30 s ago and replayed on connect: old by design.
+    await publisher.publish(stored_batch([1, 2, 3, 4], [101], age_s=30.0))
+    await manager.start()
+    await manager.add_endpoint(pod.endpoint)
+    await async_wait_until(lambda: held_blocks(index, pod.address, pod.keys([1, 2, 3, 4])))
+    assert manager.ingest.progress.lag_s(pod.address) == 0.0
+    # Live batches that left the pod 0.5 s before they were sent on.
+    tokens = list(range(1, 9))
+
+    async def heard_live() -> bool:
+        if manager.ingest.progress.lag_s(pod.address) > 0:
+            return True
+        await publisher.publish(stored_batch(tokens[4:], [102], parent=101, age_s=0.5))
+        return False
+
+    await async_wait_until(heard_live, timeout=10, what="a live batch through the SUB socket")
+    assert 0.5 <= manager.ingest.progress.lag_s(pod.address) < 5.0
 
 
 async def test_removed_endpoint_is_purged_and_its_socket_closed(dial) -> None:
