@@ -163,15 +163,18 @@ async def measure(
         scheduler.on_routed(req, decision)  # type: ignore[attr-defined]
         unanswered.append((req, decision))
         while len(unanswered) > in_flight:
-            old, old_decision = unanswered.popleft()
-            outcome = Outcome(old_decision.endpoints[0].address, ok=True, status=200)
-            scheduler.on_outcome(old, old_decision, outcome)  # type: ignore[attr-defined]
+            answer(scheduler, *unanswered.popleft())
         if i >= n // 10:  # the first tenth warms caches and allocators
             samples.append(elapsed)
     for old, old_decision in unanswered:
-        outcome = Outcome(old_decision.endpoints[0].address, ok=True, status=200)
-        scheduler.on_outcome(old, old_decision, outcome)  # type: ignore[attr-defined]
+        answer(scheduler, old, old_decision)
     return summarize(samples)
+
+
+def answer(scheduler: object, req: LLMRequest, decision: Any) -> None:
+    """The request's answer, from the pod it was sent to."""
+    outcome = Outcome(decision.endpoints[0].address, ok=True, status=200)
+    scheduler.on_outcome(req, decision, outcome)  # type: ignore[attr-defined]
 
 
 def ingest_with_events_flowing(pods: list[PodState]) -> IngestState:

@@ -25,9 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-P90_GOAL = 1.03
-P50_GOAL = 1.10
-TOKENS_GOAL = 0.98
+from smart_epp.benchmarks.policy_grid import P50_GOAL, P90_GOAL, TOKENS_GOAL, relative_p90
+
 BIG_MOVE = 1.10
 
 
@@ -38,16 +37,15 @@ def _best_other(per_policy: Mapping[str, Mapping[str, Any]], policy: str, field:
 
 def grid_figures(doc: Mapping[str, Any], policy: str) -> dict[str, Any]:
     """The policy's goal misses, mean rank, and p90 relative to the best other policy."""
+    cells = {key: per_policy for key, per_policy in doc["cells"].items() if policy in per_policy}
+    to_best = relative_p90(cells)
     misses = {"p90": 0, "p50": 0, "tokens_while_arriving": 0}
     relative: dict[str, float] = {}
     ranks: list[int] = []
-    for key, per_policy in doc["cells"].items():
-        mine = per_policy.get(policy)
-        if mine is None:
-            continue
-        p90 = {name: s["ttft_p90_s"] for name, s in per_policy.items() if s["ttft_p90_s"]}
-        ranks.append(sorted(p90.values()).index(p90[policy]) + 1)
-        if p90[policy] > P90_GOAL * min(p90.values()):
+    for key, per_policy in cells.items():
+        mine = per_policy[policy]
+        ranks.append(sorted(to_best[key].values()).index(to_best[key][policy]) + 1)
+        if to_best[key][policy] > P90_GOAL:
             misses["p90"] += 1
         best_p50 = min(s["ttft_p50_s"] for s in per_policy.values() if s["ttft_p50_s"])
         if mine["ttft_p50_s"] > P50_GOAL * best_p50:
@@ -56,7 +54,7 @@ def grid_figures(doc: Mapping[str, Any], policy: str) -> dict[str, Any]:
         best_arriving = max(arriving) if None not in arriving else None
         if best_arriving and mine["output_tok_per_s_while_arriving"] < TOKENS_GOAL * best_arriving:
             misses["tokens_while_arriving"] += 1
-        relative[key] = p90[policy] / _best_other(per_policy, policy, "ttft_p90_s")
+        relative[key] = mine["ttft_p90_s"] / _best_other(per_policy, policy, "ttft_p90_s")
     worst = max(relative, key=lambda k: relative[k]) if relative else None
     return {
         "cells": len(relative),

@@ -587,13 +587,14 @@ class PredictedTTFTScorer(Scorer, RoutingHook, OutcomeHook, DecisionHook, Shared
                     # Requests that ended after the scrape had left the queue by then.
                     waiting = max(0, waiting - model.finished_since(m.scraped_at))
             if model is not None and model.queue.items:
-                confirmed = progress is not None and progress.confirmed(address)
+                # The pod's events, once they have shown a prefill, and how late they come.
+                events = progress if progress is not None and progress.confirmed(address) else None
                 tokens_ahead, pairs_ahead, queued, others = model.queue.ahead(
                     now,
                     waiting if ok and m.scraped_at > 0.0 else None,
                     m.scraped_at,
-                    progress if confirmed else None,
-                    progress.lag_s(address) if confirmed and progress is not None else 0.0,
+                    events,
+                    events.lag_s(address) if events is not None else 0.0,
                 )
             else:
                 tokens_ahead = pairs_ahead = 0.0
